@@ -1,0 +1,52 @@
+# Set-up and entry points. `make demo` and `make test` install whatever is missing first (Debian/Ubuntu, as
+# root): system packages through apt, Python packages into .venv. Re-running is cheap: each step checks first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Extra pip options, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu on a host whose pip would
+# otherwise fetch the multi-GB CUDA build of torch.
+TORCH_INDEX ?=
+PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod
+PYTEST_ARGS ?=
+
+.PHONY: all deps system-deps python-deps demo test test-fast bench clean-testbed help
+
+help:
+	@echo "make demo   install what is missing, then run the main job"
+	@echo "make test   install what is missing, then run the test suite"
+	@echo "make bench  run the benchmarks in benchmarks/"
+
+deps: system-deps python-deps
+
+system-deps:
+	@missing=""; \
+	for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	$(PYTHON) -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+	  || missing="$$missing python3 python3-venv python3-pip"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+python-deps: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PIP_EXTRA) -c constraints.txt -e '.[test]'
+	@touch $@
+
+demo: deps
+	$(VENV)/bin/testbed doctor || true
+	$(PY) -m testbed.demo
+
+test: deps
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: deps
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean-testbed: deps
+	$(VENV)/bin/testbed down --all

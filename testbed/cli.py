@@ -1,0 +1,379 @@
+"""The `testbed` command. Thin: parses arguments, calls the Python API, prints, and maps failures to exit
+codes (0 ok, 1 failure, 2 bad input, 3 something this machine lacks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import __version__
+
+EXIT_FAIL, EXIT_INPUT, EXIT_CAPABILITY = 1, 2, 3
+
+
+class CliError(Exception):
+    def __init__(self, msg: str, code: int = EXIT_FAIL):
+        super().__init__(msg)
+        self.code = code
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    rows = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def describe_topology(tb) -> str:
+    topo = tb.topo
+    hosts = []
+    for h in topo.hosts:
+        ifs = ", ".join(f"{i.iface} {i.address}" for i in topo.plan.interfaces[h])
+        hosts.append([h, tb.runtime_name, f"mgmt0 {topo.plan.mgmt[h]}", ifs or "-"])
+    for s in topo.switches:
+        hosts.append([s, "switch", "-", "bridge br0"])
+    links = []
+    for l in topo.links:
+        for dname, _, _, imp in l.directions():
+            links.append([l.name, f"{l.a} <-> {l.b}", l.mtu, dname, imp.describe()])
+    out = [f"topology {topo.name} ({topo.file or 'in memory'}), runtime {tb.runtime_name}", "",
+           _table(hosts, ["node", "runtime", "management", "data interfaces"]), "",
+           _table(links, ["link", "endpoints", "mtu", "direction", "impairments"])]
+    return "\n".join(out)
+
+
+def _attach(name: str | None):
+    from .net import Testbed
+    from .state import running_names
+
+    if name is None:
+        names = running_names()
+        if not names:
+            raise CliError("no topology is up (testbed up FILE)")
+        if len(names) > 1:
+            raise CliError(f"several topologies are up ({', '.join(names)}): choose one with --topo", EXIT_INPUT)
+        name = names[0]
+    try:
+        return Testbed.attach(name)
+    except LookupError as e:
+        raise CliError(str(e), EXIT_INPUT) from None
+
+
+def _load(path: str, name: str | None = None):
+    from .topo import Topology
+    return Topology.load(path, name=name)
+
+
+# -- commands --------------------------------------------------------------------------------------------------
+
+
+def cmd_up(args) -> int:
+    from .net import Testbed
+
+    topo = _load(args.file, args.name)
+    capture = {"dir": os.path.abspath(args.capture), "max_bytes": int(args.capture_limit * 1e6)} if args.capture else None
+    tb = Testbed(topo, runtime=args.runtime, capture=capture, results_dir=args.out)
+    tb.up()
+    print(describe_topology(tb))
+    print(f"\nup. Run commands with `testbed exec --topo {topo.name} HOST -- CMD`; remove with `testbed down {topo.name}`.")
+    return 0
+
+
+def cmd_down(args) -> int:
+    from .clean import clean_all
+    from .net import teardown
+    from .state import running_names
+
+    if args.all:
+        done = clean_all()
+        for n in done["topologies"]:
+            print(f"down: {n}")
+        for s in done["swept"]:
+            print(f"removed leftover: {s}")
+        if not done["topologies"] and not done["swept"]:
+            print("nothing of the testbed was running")
+        return 0
+    if not args.names:
+        raise CliError("name a topology (testbed down NAME) or use --all", EXIT_INPUT)
+    rc = 0
+    for name in args.names:
+        if name not in running_names():
+            from . import nsutil
+            if not nsutil.list_testbed_netns(name):
+                print(f"no topology named {name!r} is up", file=sys.stderr)
+                rc = EXIT_INPUT
+                continue
+        result = teardown(name)
+        print(f"down: {name}" + (f" (final counters in {result['stats_file']})" if result.get("stats_file") else ""))
+        for e in result.get("errors", []):
+            print(f"  warning: {e}", file=sys.stderr)
+    return rc
+
+
+def topology_status(name: str) -> dict:
+    from . import nsutil
+    from .net import Testbed
+
+    tb = Testbed.attach(name)
+    d = tb.state.data
+    hosts = {}
+    for h, hd in d.get("hosts", {}).items():
+        alive = os.path.exists(hd.get("netns", "")) if hd.get("netns") else False
+        hosts[h] = {"netns": hd.get("netns"), "present": alive, "container": hd.get("container_id")}
+    engines = []
+    for key, rec in d.get("engines", {}).items():
+        h = rec.get("handle") or {}
+        engines.append({"link": key.split("/")[0], "direction": key.split("/")[1], "pid": h.get("pid"),
+                        "alive": nsutil.pid_alive(h.get("pid"))})
+    dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
+    return {"name": name, "file": d.get("file"), "runtime": d.get("runtime"), "phase": d.get("phase"),
+            "up_pid": d.get("up_pid"), "created_at": d.get("created_at"), "hosts": hosts, "engines": engines,
+            "healthy": d.get("phase") == "up" and not dead and all(v["present"] for v in hosts.values()),
+            "problems": [f"engine dead: {x} (its link drops all traffic: fail closed)" for x in dead]}
+
+
+def cmd_status(args) -> int:
+    from .state import running_names
+
+    names = [args.topo] if args.topo else running_names()
+    result = []
+    for n in names:
+        try:
+            result.append(topology_status(n))
+        except LookupError as e:
+            raise CliError(str(e), EXIT_INPUT) from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    if not result:
+        print("no topology is up")
+        return 0
+    rows = []
+    for s in result:
+        eng = f"{sum(e['alive'] for e in s['engines'])}/{len(s['engines'])} alive" if s["engines"] else "-"
+        rows.append([s["name"], s["phase"], s["runtime"], len(s["hosts"]), eng, "ok" if s["healthy"] else "PROBLEM",
+                     s["file"] or "-"])
+    print(_table(rows, ["topology", "phase", "runtime", "hosts", "engines", "health", "file"]))
+    for s in result:
+        for p in s["problems"]:
+            print(f"{s['name']}: {p}")
+    return 0 if all(s["healthy"] for s in result) else EXIT_FAIL
+
+
+def cmd_exec(args) -> int:
+    argv = list(args.cmd)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise CliError("give a command after the host: testbed exec HOST -- CMD ...", EXIT_INPUT)
+    tb = _attach(args.topo)
+    try:
+        host = tb.host(args.host)
+    except KeyError as e:
+        raise CliError(str(e.args[0]), EXIT_INPUT) from None
+    cmd = tb.runtime.exec_argv(host, argv)
+    sys.stdout.flush()
+    try:
+        os.execvp(cmd[0], cmd)  # stdout, stderr and the exit code pass straight through
+    except FileNotFoundError:
+        raise CliError(f"{cmd[0]} not found") from None
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import report, run_checks
+
+    checks = run_checks()
+    if args.json:
+        print(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        print(report(checks))
+    return 0 if all(c.ok for c in checks if c.essential) else EXIT_FAIL
+
+
+def cmd_stats(args) -> int:
+    tb = _attach(args.topo)
+    stats = tb.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    if not stats:
+        print(f"topology {tb.name} has no corruption engine (no link sets a ber)")
+        return 0
+    rows = []
+    for s in stats:
+        rows.append([s.get("link"), s.get("direction"), "yes" if s.get("alive", True) else "DEAD", f"{s.get('ber', 0):g}",
+                     s.get("packets", 0), s.get("bits_seen", 0), s.get("bits_flipped", 0),
+                     f"{s.get('realized_ber') or 0:.3g}", s.get("packets_modified", 0), s.get("packets_unparsed", 0),
+                     s.get("flows_excluded", 0)])
+    print(_table(rows, ["link", "direction", "alive", "ber", "packets", "bits_seen", "bits_flipped", "realized",
+                        "modified", "unparsed", "excluded"]))
+    return 0 if all(s.get("alive", True) for s in stats) else EXIT_FAIL
+
+
+def cmd_link_set(args) -> int:
+    from .units import parse_probability
+
+    tb = _attach(args.topo)
+    settings = {}
+    if args.ber is not None:
+        try:
+            settings["ber"] = parse_probability(args.ber, upper=0.5)
+        except ValueError as e:
+            raise CliError(f"--ber: {e}", EXIT_INPUT) from None
+    for key in ("scope", "checksum", "seed"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    if args.error_model:
+        settings["error_model"] = _error_model_arg(args)
+    if not settings:
+        raise CliError("nothing to change: give --ber, --scope, --checksum, --seed or --error-model", EXIT_INPUT)
+    try:
+        changed = tb.set_link(args.link, args.direction, **settings)
+    except KeyError as e:
+        raise CliError(str(e.args[0]), EXIT_INPUT) from None
+    for c in changed:
+        print(f"{c}: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    return 0
+
+
+def _error_model_arg(args) -> dict:
+    if args.error_model == "bernoulli":
+        return {"type": "bernoulli"}
+    if args.burst_length is None:
+        raise CliError("--error-model gilbert_elliott needs --burst-length", EXIT_INPUT)
+    return {"type": "gilbert_elliott", "burst_length": args.burst_length, "bad_ber": args.bad_ber, "good_ber": 0.0}
+
+
+# -- parser ----------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="testbed",
+        description="Real-network emulation testbed: hosts in namespaces or containers joined by veth links that "
+                    "corrupt bits at a set bit error rate, and GPT-2 training across them. Needs root.",
+        epilog="Exit codes: 0 ok, 1 failure, 2 bad input (topology file, arguments), 3 this machine lacks a "
+               "feature the topology needs. Run `testbed doctor` first on a new machine.")
+    p.add_argument("--version", action="version", version=f"testbed {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("up", help="bring a topology up", description="Bring up the topology in FILE: hosts, links, "
+                       "addresses, routes, impairments and corruption engines. Prints a table of what was made.")
+    s.add_argument("file", metavar="FILE", help="topology YAML (see topologies/)")
+    s.add_argument("--name", help="name to use instead of the file's `name` (to run two copies at once)")
+    s.add_argument("--runtime", choices=["netns", "docker"], help="where hosts live (default: the file's, else netns)")
+    s.add_argument("--capture", metavar="DIR", help="write corrupted packets, before and after corruption, to pcap "
+                   "files under DIR")
+    s.add_argument("--capture-limit", type=float, default=10.0, metavar="MB",
+                   help="size bound per pcap file in MB (default 10)")
+    s.add_argument("--out", metavar="DIR", help="where `down` saves final engine counters "
+                   "(default /var/lib/testbed/history/NAME)")
+    s.set_defaults(fn=cmd_up)
+
+    s = sub.add_parser("down", help="tear a topology down", description="Remove everything a topology made. "
+                       "--all removes every testbed topology and sweeps leftovers (e.g. after `up` was killed).")
+    s.add_argument("names", nargs="*", metavar="NAME")
+    s.add_argument("--all", action="store_true", help="every topology, and any leftover of the testbed")
+    s.set_defaults(fn=cmd_down)
+
+    s = sub.add_parser("status", help="what is up", description="List running topologies, their hosts and "
+                       "whether every corruption engine is alive (exit 1 if one is not).")
+    s.add_argument("--topo", metavar="NAME")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    s = sub.add_parser("exec", help="run a command inside a host", description="Run CMD inside HOST; its output "
+                       "and exit code pass through. Example: testbed exec h1 -- ping -c1 10.0.0.2")
+    s.add_argument("--topo", metavar="NAME", help="topology (optional when one is up)")
+    s.add_argument("host", metavar="HOST")
+    s.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    s.set_defaults(fn=cmd_exec)
+
+    s = sub.add_parser("doctor", help="check what this machine offers", description="Check root, namespaces, "
+                       "veth, bridge, tbf, netem, NFQUEUE, iptables and the tools; say what each missing one means.")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_doctor)
+
+    s = sub.add_parser("stats", help="corruption counters of a running topology",
+                       description="Per link direction: packets, eligible bits seen, bits flipped, realized BER, "
+                                   "packets modified/unparsed, flows excluded. Exit 1 if an engine is dead.")
+    s.add_argument("--topo", metavar="NAME")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_stats)
+
+    s = sub.add_parser("link", help="change a running link", description="Change a running link's corruption.")
+    lsub = s.add_subparsers(dest="link_command", metavar="ACTION")
+    ls = lsub.add_parser("set", help="change corruption settings live",
+                         description="Change corruption settings of a running link without restarting its traffic. "
+                                     "Example: testbed link set h1-h2 --direction h1->h2 --ber 1e-4")
+    ls.add_argument("link", metavar="LINK", help="link name as `testbed up` printed it (e.g. h1-h2)")
+    ls.add_argument("--topo", metavar="NAME")
+    ls.add_argument("--direction", metavar="A->B", help="one direction (default both); 'A-B' also accepted")
+    ls.add_argument("--ber", help="bit error rate in [0, 0.5]")
+    ls.add_argument("--scope", choices=["payload", "all", "tensor"])
+    ls.add_argument("--checksum", choices=["fix", "keep"])
+    ls.add_argument("--seed", type=int)
+    ls.add_argument("--error-model", choices=["bernoulli", "gilbert_elliott"])
+    ls.add_argument("--burst-length", type=float, help="gilbert_elliott mean burst length in bits")
+    ls.add_argument("--bad-ber", type=float, default=0.5, help="gilbert_elliott BER in the bad state (default 0.5)")
+    ls.set_defaults(fn=cmd_link_set)
+
+    for register in _extensions():
+        register(sub)
+    return p
+
+
+def _extensions():
+    """Commands that live with their subsystems (training, experiments, benchmarks, images)."""
+    regs = []
+    for mod in ("testbed.train.cli", "testbed.experiments.cli", "testbed.runtime.image_cli"):
+        try:
+            m = __import__(mod, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name == mod:  # that subsystem is not part of this build
+                continue
+            raise
+        regs.append(m.register)
+    return regs
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .link import CapabilityMissing
+    from .runtime.base import RuntimeUnavailable
+    from .topo import TopologyError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return EXIT_INPUT
+    try:
+        return args.fn(args) or 0
+    except TopologyError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_INPUT
+    except (CapabilityMissing, RuntimeUnavailable) as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return EXIT_CAPABILITY
+    except CliError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return e.code
+    except (FileExistsError, PermissionError) as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        print("testbed: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

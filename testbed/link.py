@@ -1,0 +1,134 @@
+"""How the wire behaves: veth pairs between namespaces, bridges, MTU, offloads, and tc qdiscs for rate,
+delay, jitter and loss. Everything is addressed by netns path, whichever runtime made the host.
+
+Bit corruption is not here: it is the engine's job (testbed/engine), attached to the same interfaces.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+
+from pyroute2 import NetNS
+from pyroute2 import netns as pr_netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from . import nsutil
+from .topo import OFFLOAD_FEATURES, LinkImpairment
+
+BRIDGE = "br0"
+
+
+class CapabilityMissing(RuntimeError):
+    """The kernel or the system lacks something a topology asks for; the message says exactly what."""
+
+
+def add_veth(ns_a: str, if_a: str, ns_b: str, if_b: str, mtu: int) -> None:
+    """A veth pair created directly with one end in each namespace: nothing ever appears in the root
+    namespace, so names cannot collide with the host's own interfaces."""
+    with NetNS(ns_a) as a:
+        a.link("add", ifname=if_a, kind="veth", peer={"ifname": if_b, "net_ns_fd": ns_b})
+        idx = a.link_lookup(ifname=if_a)[0]
+        a.link("set", index=idx, mtu=mtu, state="up")
+    with NetNS(ns_b) as b:
+        idx = b.link_lookup(ifname=if_b)[0]
+        b.link("set", index=idx, mtu=mtu, state="up")
+
+
+def add_address(ns: str, iface: str, address: str) -> None:
+    with NetNS(ns) as n:
+        idx = n.link_lookup(ifname=iface)[0]
+        ip, prefix = address.split("/")
+        n.addr("add", index=idx, address=ip, prefixlen=int(prefix))
+
+
+def add_route(ns: str, dst: str, via: str, dev: str) -> None:
+    with NetNS(ns) as n:
+        idx = n.link_lookup(ifname=dev)[0]
+        n.route("add", dst=dst, gateway=via, oif=idx)
+
+
+def add_bridge(ns: str, name: str = BRIDGE) -> None:
+    with NetNS(ns) as n:
+        # No STP (loops are refused at validation); ports forward at once.
+        n.link("add", ifname=name, kind="bridge", br_stp_state=0, br_forward_delay=0)
+        idx = n.link_lookup(ifname=name)[0]
+        n.link("set", index=idx, state="up")
+
+
+def enslave(ns: str, iface: str, bridge: str = BRIDGE) -> None:
+    with NetNS(ns) as n:
+        br = n.link_lookup(ifname=bridge)[0]
+        idx = n.link_lookup(ifname=iface)[0]
+        n.link("set", index=idx, master=br)
+
+
+def set_offloads(ns: str, iface: str, offloads: dict[str, bool]) -> None:
+    if not offloads:
+        return
+    args = []
+    for key, on in offloads.items():
+        args += [OFFLOAD_FEATURES[key], "on" if on else "off"]
+    r = nsutil.nsexec(ns, ["ethtool", "-K", iface, *args], check=False)
+    if r.returncode != 0:
+        raise CapabilityMissing(f"ethtool -K {iface} {' '.join(args)} failed: {(r.stderr or r.stdout).strip()}"
+                                " (is ethtool installed? apt-get install ethtool)")
+
+
+def apply_impairment(ns: str, iface: str, imp: LinkImpairment, mtu: int) -> str:
+    """Shape egress of `iface` in `ns` for one direction; returns a description of the qdiscs used."""
+    if not (imp.rate_bps or imp.needs_netem):
+        return "-"
+    with NetNS(ns) as n:
+        idx = n.link_lookup(ifname=iface)[0]
+        parent_kw: dict = {"handle": "1:"}
+        used = []
+        if imp.needs_netem:
+            kw = {}
+            if imp.delay_s:
+                kw["delay"] = int(imp.delay_s * 1e6)  # pyroute2 takes microseconds
+            if imp.jitter_s:
+                kw["jitter"] = int(imp.jitter_s * 1e6)
+            if imp.loss:
+                kw["loss"] = imp.loss * 100  # percent
+            # netem's own queue must hold a bandwidth-delay product, or it drops at high rate x delay.
+            kw["limit"] = 100000
+            n.tc("add", "netem", idx, handle="1:", **kw)
+            used.append("netem")
+            parent_kw = {"handle": "10:", "parent": "1:1"}
+        if imp.rate_bps:
+            # TBF: burst large enough for one super-packet (TSO) plus a rate-proportional share.
+            burst = max(64 * 1024 + mtu, imp.rate_bps // 8 // 250)
+            n.tc("add", "tbf", idx, rate=imp.rate_bps // 8, burst=burst, latency="50ms", **parent_kw)
+            used.append("tbf")
+    return "+".join(used)
+
+
+@functools.lru_cache(maxsize=1)
+def netem_available() -> bool:
+    """Probe for sch_netem in a throwaway namespace (never on the host's own interfaces)."""
+    name = f"{nsutil.PREFIX}_probe.{os.getpid()}"
+    pr_netns.create(name)
+    try:
+        with NetNS(nsutil.ns_path(name)) as n:
+            idx = n.link_lookup(ifname="lo")[0]
+            try:
+                n.tc("add", "netem", idx, handle="1:", delay=1000)
+                return True
+            except NetlinkError:
+                return False
+    finally:
+        pr_netns.remove(name)
+
+
+def netem_missing_message(what: str) -> str:
+    return (f"{what} needs tc's netem qdisc, and this kernel has none (sch_netem is not built: "
+            f"`tc qdisc add ... netem` fails with 'Specified qdisc kind is unknown'). The testbed will not "
+            f"silently ignore it. Remove delay/jitter/loss from the topology, or run on a kernel with "
+            f"sch_netem (`modprobe sch_netem`; most Ubuntu/Debian distribution kernels have it; the Vagrantfile "
+            f"brings up such a VM). Rate limits (tbf) and bit corruption work without netem.")
+
+
+def tool_present(tool: str) -> bool:
+    return subprocess.run(["which", tool], capture_output=True).returncode == 0

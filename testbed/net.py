@@ -1,0 +1,295 @@
+"""Bring a topology up and down: the orchestration shared by the CLI, the tests and the experiments.
+
+    with Testbed(Topology.load("topologies/pair.yaml")) as tb:
+        tb.run("h1", ["ping", "-c1", str(tb.address("h2"))])
+
+Everything created is recorded in the state file *before* it is created, so a failure at any point (or a
+SIGKILL of this process) leaves a record that `down` / `down --all` uses to remove it all.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from . import clean, link, nsutil
+from .runtime.base import Host, Runtime, get_runtime
+from .state import HISTORY_ROOT, State, claim, state_dir, write_json_atomic
+from .topo import Link, LinkImpairment, Topology
+
+MGMT_IFNAME = "mgmt0"
+
+
+class Testbed:
+    def __init__(self, topology: Topology, runtime: str | None = None, capture: dict | None = None,
+                 results_dir: str | Path | None = None):
+        self.topo = topology
+        self.runtime_name = runtime or topology.runtime
+        self.capture = capture
+        self.results_dir = Path(results_dir) if results_dir else None
+        self.state: State | None = None
+        self._runtime: Runtime | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.topo.name
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            self._runtime = get_runtime(self.runtime_name)
+        return self._runtime
+
+    def __enter__(self) -> "Testbed":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def preflight(self) -> None:
+        """Everything that can be checked before creating anything."""
+        if os.geteuid() != 0:
+            raise PermissionError("bringing up a topology needs root (namespaces, veths, iptables)")
+        self.runtime.check()
+        needs_netem = [(l.name, d) for l in self.topo.links for d, _, _, imp in l.directions() if imp.needs_netem]
+        if needs_netem and not link.netem_available():
+            where = ", ".join(f"{ln} ({d})" for ln, d in needs_netem[:4])
+            raise link.CapabilityMissing(link.netem_missing_message(f"delay/jitter/loss on {where}"))
+        if any(imp.corrupts for l in self.topo.links for *_, imp in l.directions()):
+            if not link.tool_present("iptables"):
+                raise link.CapabilityMissing("bit corruption needs iptables (NFQUEUE target): apt-get install iptables")
+        if any(l.offloads for l in self.topo.links) and not link.tool_present("ethtool"):
+            raise link.CapabilityMissing("offload settings need ethtool: apt-get install ethtool")
+
+    def up(self) -> "Testbed":
+        self.preflight()
+        claim(self.name)
+        self.state = State.new(self.name, file=self.topo.file, runtime=self.runtime_name, topology=self.topo.raw,
+                               up_pid=os.getpid(), capture=self.capture,
+                               results_dir=str(self.results_dir) if self.results_dir else None)
+        try:
+            self._build()
+        except BaseException:
+            self.down(save_stats=False)
+            raise
+        self.state.update(phase="up", up_at=time.time())
+        return self
+
+    def _record_ns(self, name: str) -> str:
+        self.state.data["namespaces"].append(name)
+        self.state.save()
+        return nsutil.create_netns(name)
+
+    def _build(self) -> None:
+        topo, st = self.topo, self.state
+        sdir = state_dir(self.name)
+        mgmt_ns = self._record_ns(nsutil.mgmt_ns_name(self.name))
+        link.add_bridge(mgmt_ns)
+
+        netns_of: dict[str, str] = {}
+        for sw in topo.switches:
+            netns_of[sw] = self._record_ns(nsutil.ns_name(self.name, sw))
+            link.add_bridge(netns_of[sw])
+        for h in topo.hosts:
+            st.data["hosts"][h] = {"node": h, "pending": True}
+            st.save()
+            host = self.runtime.create(self.name, topo.nodes[h], sdir)
+            st.data["hosts"][h] = host.to_dict()
+            st.save()
+            netns_of[h] = host.netns
+
+        for i, h in enumerate(topo.hosts):
+            port = f"p{i}"
+            link.add_veth(netns_of[h], MGMT_IFNAME, mgmt_ns, port, 1500)
+            link.enslave(mgmt_ns, port)
+            link.add_address(netns_of[h], MGMT_IFNAME, str(topo.plan.mgmt[h]))
+
+        for l in topo.links:
+            link.add_veth(netns_of[l.a.node], l.a.iface, netns_of[l.b.node], l.b.iface, l.mtu)
+            for ep in (l.a, l.b):
+                if topo.nodes[ep.node].kind == "switch":
+                    link.enslave(netns_of[ep.node], ep.iface)
+                link.set_offloads(netns_of[ep.node], ep.iface, l.offloads)
+        for h in topo.hosts:
+            for hi in topo.plan.interfaces[h]:
+                link.add_address(netns_of[h], hi.iface, str(hi.address))
+        for h in topo.hosts:
+            for r in topo.plan.routes[h]:
+                link.add_route(netns_of[h], str(r.dst), str(r.via), r.dev)
+        for l in topo.links:
+            for dname, snd, _rcv, imp in l.directions():
+                link.apply_impairment(netns_of[snd.node], snd.iface, imp, l.mtu)
+        st.data["netns_of"] = netns_of
+        st.save()
+        for l in topo.links:
+            for dname, _, _, imp in l.directions():
+                if imp.corrupts:
+                    self._start_engine(l, dname, imp)
+
+    # -- engines -------------------------------------------------------------------------------------------
+
+    def engine_site(self, l: Link, direction: str) -> tuple[str, str, str]:
+        """(netns, iface, hook) where a direction's corruption runs: egress of the sending host, or, when a
+        switch sends, ingress of the receiving host. Always a host namespace, so switches need no iptables."""
+        netns_of = self.state.data["netns_of"]
+        _, snd, rcv, _ = l.direction(direction)
+        if self.topo.nodes[snd.node].kind == "host":
+            return netns_of[snd.node], snd.iface, "egress"
+        return netns_of[rcv.node], rcv.iface, "ingress"
+
+    def _start_engine(self, l: Link, direction: str, imp: LinkImpairment):
+        from .engine.manager import EngineSpec, start_engine
+
+        netns, iface, hook = self.engine_site(l, direction)
+        engines = self.state.data["engines"]
+        key = f"{l.name}/{direction}"
+        queue_num = 1 + sum(1 for e in engines.values() if e.get("spec", {}).get("netns") == netns)
+        edir = state_dir(self.name) / "engines"
+        edir.mkdir(exist_ok=True)
+        idx = len(engines)
+        capture = None
+        if self.capture:
+            capture = {"dir": str(Path(self.capture["dir"]) / f"{l.name}.{direction.replace('->', '_to_')}"),
+                       "max_bytes": int(self.capture.get("max_bytes", 10_000_000))}
+        spec = EngineSpec(
+            topology=self.name, link=l.name, direction=direction, netns=netns, iface=iface, hook=hook,
+            queue_num=queue_num, ber=imp.ber or 0.0, error_model=dict(imp.error_model), scope=imp.scope,
+            checksum=imp.checksum, seed=imp.seed, collectives=list(imp.collectives) if imp.collectives else None,
+            control_ports=list(self.topo.control_ports), control_socket=str(edir / f"e{idx}.sock"),
+            stats_file=str(edir / f"e{idx}.stats.json"), capture=capture,
+        )
+        engines[key] = {"spec": spec.to_dict(), "pending": True}
+        self.state.save()
+        handle = start_engine(spec)
+        engines[key] = {"spec": spec.to_dict(), "handle": handle.to_dict()}
+        self.state.save()
+        return handle
+
+    def engine_handles(self) -> dict[str, Any]:
+        from .engine.manager import EngineHandle
+        return {k: EngineHandle.from_dict(v["handle"]) for k, v in self.state.data["engines"].items() if "handle" in v}
+
+    def stats(self) -> list[dict]:
+        from .engine.manager import engine_stats
+        out = []
+        for key, h in self.engine_handles().items():
+            s = engine_stats(h)
+            s.setdefault("link", key.split("/")[0])
+            s.setdefault("direction", key.split("/")[1])
+            out.append(s)
+        return out
+
+    def set_link(self, link_name: str, direction: str | None = None, **settings) -> list[str]:
+        """Change corruption settings of a running link (one direction or both) without touching its traffic.
+        A direction without an engine gets one started."""
+        from .engine.manager import set_engine
+
+        l = self.topo.link(link_name)
+        names = [d[0] for d in l.directions()]
+        if direction is not None:
+            direction = normalize_direction(l, direction)
+            names = [direction]
+        changed = []
+        handles = self.engine_handles()
+        for d in names:
+            key = f"{l.name}/{d}"
+            if key in handles:
+                set_engine(handles[key], **settings)
+            else:
+                base = l.direction(d)[3].to_dict()
+                base.update({k: v for k, v in settings.items() if v is not None})
+                base["ber"] = base.get("ber") or 0.0
+                imp = LinkImpairment(**{**base, "collectives": tuple(base["collectives"]) if base.get("collectives") else None})
+                self._start_engine(l, d, imp)
+            changed.append(key)
+        return changed
+
+    # -- running things in hosts ---------------------------------------------------------------------------
+
+    def host(self, node: str) -> Host:
+        try:
+            return Host.from_dict(self.state.data["hosts"][node])
+        except KeyError:
+            raise KeyError(f"topology {self.name!r} has no host {node!r} (hosts: {', '.join(self.topo.hosts)})") from None
+
+    def address(self, node: str) -> str:
+        return str(self.topo.plan.data_address(node))
+
+    def mgmt_address(self, node: str) -> str:
+        return str(self.topo.plan.mgmt[node].ip)
+
+    def popen(self, node: str, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        return self.runtime.popen(self.host(node), argv, env, **kw)
+
+    def run(self, node: str, argv: list[str], env: dict | None = None, check: bool = False,
+            timeout: float | None = None, **kw) -> subprocess.CompletedProcess:
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run(self.runtime.exec_argv(self.host(node), argv, env), check=check, timeout=timeout, **kw)
+
+    # -- teardown ------------------------------------------------------------------------------------------
+
+    def down(self, save_stats: bool = True) -> dict:
+        if self.state is None:
+            return {}
+        result = teardown(self.name, save_stats=save_stats, results_dir=self.results_dir)
+        self.state = None
+        return result
+
+    @classmethod
+    def attach(cls, name: str) -> "Testbed":
+        """The Testbed object of a topology that is already up (from its state file)."""
+        st = State.load(name)
+        topo = Topology.from_dict(st.data["topology"], file=st.data.get("file"))
+        tb = cls(topo, runtime=st.data.get("runtime"), capture=st.data.get("capture"),
+                 results_dir=st.data.get("results_dir"))
+        tb.state = st
+        return tb
+
+
+def normalize_direction(l: Link, direction: str) -> str:
+    """Accept 'A->B' or 'A-B' (when unambiguous) for one of the link's directions."""
+    names = [d[0] for d in l.directions()]
+    if direction in names:
+        return direction
+    for n in names:
+        if n.replace("->", "-") == direction:
+            return n
+    raise KeyError(f"link {l.name} has no direction {direction!r} (directions: {', '.join(names)})")
+
+
+def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None = None) -> dict:
+    """Remove everything topology `name` created: engines (saving their final counters), hosts, switch and
+    management namespaces, processes inside them, mounts and the state directory. Idempotent."""
+    try:
+        st = State.load(name)
+    except LookupError:
+        st = None
+    final: dict = {"name": name, "engines": []}
+    if st is not None:
+        final["engines"] = clean.stop_engines(st.data.get("engines", {}))
+        if save_stats and final["engines"]:
+            out_dir = Path(results_dir or st.data.get("results_dir") or HISTORY_ROOT / name)
+            path = out_dir / f"stats-{time.strftime('%Y%m%d-%H%M%S')}.json"
+            write_json_atomic(path, final["engines"])
+            final["stats_file"] = str(path)
+        runtime_name = st.data.get("runtime", "netns")
+        for hd in st.data.get("hosts", {}).values():
+            if hd.get("pending"):
+                continue
+            try:
+                get_runtime(runtime_name).delete(Host.from_dict(hd))
+            except Exception as e:  # keep going: the sweep below still removes namespaces
+                final.setdefault("errors", []).append(f"host {hd.get('node')}: {e}")
+        if runtime_name != "netns":
+            try:
+                get_runtime(runtime_name).delete_all(name)
+            except Exception as e:
+                final.setdefault("errors", []).append(f"{runtime_name}: {e}")
+    clean.sweep_topology(name)
+    return final

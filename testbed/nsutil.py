@@ -1,0 +1,116 @@
+"""Small helpers around network namespaces: naming, creation, processes inside, running commands in them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from pyroute2 import netns as pr_netns
+
+NETNS_DIR = Path("/run/netns")
+PREFIX = "tb."
+
+
+def ns_name(topology: str, node: str) -> str:
+    return f"{PREFIX}{topology}.{node}"
+
+
+def mgmt_ns_name(topology: str) -> str:
+    return f"{PREFIX}{topology}._mgmt"
+
+
+def ns_path(name: str) -> str:
+    return str(NETNS_DIR / name)
+
+
+def list_testbed_netns(topology: str | None = None) -> list[str]:
+    want = f"{PREFIX}{topology}." if topology else PREFIX
+    try:
+        return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(want))
+    except FileNotFoundError:
+        return []
+
+
+def create_netns(name: str) -> str:
+    pr_netns.create(name)
+    path = ns_path(name)
+    nsexec(path, ["ip", "link", "set", "lo", "up"])
+    # Only inside our own namespaces: forwarding for multi-hop, no IPv6 chatter (RS/MLD/DAD) on data links.
+    nsexec(path, ["sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.disable_ipv6=1",
+                  "net.ipv6.conf.default.disable_ipv6=1"])
+    return path
+
+
+def remove_netns(name: str) -> None:
+    path = ns_path(name)
+    if os.path.exists(path):
+        kill_processes_in_netns(path)
+        try:
+            pr_netns.remove(name)
+        except FileNotFoundError:
+            pass
+
+
+def nsexec(netns_path: str, argv: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
+    """Run a short command inside a network namespace (iptables, sysctl, ethtool)."""
+    r = subprocess.run(["nsenter", f"--net={netns_path}", "--", *argv], capture_output=True, text=True, **kw)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} in {netns_path} failed: {(r.stderr or r.stdout).strip()}")
+    return r
+
+
+def _ns_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def processes_in_netns(netns_path: str) -> list[int]:
+    target = _ns_id(netns_path)
+    if target is None:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        if _ns_id(f"/proc/{entry}/ns/net") == target:
+            pids.append(int(entry))
+    return pids
+
+
+def kill_processes_in_netns(netns_path: str, grace_s: float = 1.0) -> list[int]:
+    """Kill every process whose network namespace is `netns_path` (TERM, then KILL after a grace)."""
+    pids = processes_in_netns(netns_path)
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.02)
+    for pid in pids:
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+    return pids
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def pid_alive(pid: int | None) -> bool:
+    return bool(pid) and _alive(pid)

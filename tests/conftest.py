@@ -1,0 +1,68 @@
+"""Shared fixtures. Tests run as root and create real namespaces, veths, bridges, iptables rules and
+processes; every fixture removes what it made, even when the test fails."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGIES = ROOT / "topologies"
+TESTBED = [sys.executable, "-m", "testbed"]
+_counter = itertools.count()
+
+
+def unique_name(base: str) -> str:
+    """Topology names unique per test and per pytest process, so concurrent runs never collide."""
+    return f"{base[:10]}-{os.getpid() % 100000}-{next(_counter)}"
+
+
+def tb_cli(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*TESTBED, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+def leftovers(name: str) -> dict:
+    from testbed import clean
+    return {k: v for k, v in clean.leftovers(name).items() if v}
+
+
+def root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(": ")[1].split("@")[0] for line in out.splitlines() if ": " in line}
+
+
+@contextmanager
+def running(topology, **kw):
+    """Bring a topology up through the Python API; always tear it down and check nothing is left."""
+    from testbed.net import Testbed, teardown
+
+    tb = Testbed(topology, **kw)
+    try:
+        tb.up()
+        yield tb
+    finally:
+        teardown(topology.name, save_stats=False)
+        left = leftovers(topology.name)
+        assert not left, f"leftovers of {topology.name}: {left}"
+
+
+@pytest.fixture
+def load_topology():
+    from testbed.topo import Topology
+
+    def load(file: str, name: str | None = None, **overrides):
+        topo = Topology.load(TOPOLOGIES / file if not os.path.isabs(file) else file,
+                             name=name or unique_name(Path(file).stem))
+        return topo.with_overrides(**overrides) if overrides else topo
+    return load
+
+
+def pytest_configure(config):
+    if os.geteuid() != 0:
+        raise pytest.UsageError("the testbed's tests create namespaces and iptables rules: run them as root")

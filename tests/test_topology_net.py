@@ -1,0 +1,184 @@
+"""Topologies brought up for real: namespaces, veths, bridges, addresses, routes, and TCP across them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, leftovers, root_links, running, tb_cli, unique_name
+
+TCPCHECK = str(Path(__file__).parent / "tcpcheck.py")
+PORT = 5301
+
+
+def _rx_bytes(tb, host: str, iface: str) -> int:
+    r = tb.run(host, ["cat", f"/sys/class/net/{iface}/statistics/rx_bytes"], check=True)
+    return int(r.stdout)
+
+
+def all_pairs_tcp(tb, nbytes: int = 200_000) -> None:
+    """Every host sends to every other host's data address over TCP and checks the bytes came back intact."""
+    servers = []
+    try:
+        for h in tb.topo.hosts:
+            p = tb.popen(h, [sys.executable, TCPCHECK, "serve", str(PORT)], stdout=subprocess.PIPE, text=True)
+            assert p.stdout.readline().strip() == "READY"
+            servers.append(p)
+        clients = {}
+        for h in tb.topo.hosts:
+            targets = [f"{tb.address(o)}:{PORT}" for o in tb.topo.hosts if o != h]
+            clients[h] = tb.popen(h, [sys.executable, TCPCHECK, "send", str(nbytes), *targets],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for h, c in clients.items():
+            out, _ = c.communicate(timeout=60)
+            assert c.returncode == 0, f"from {h}:\n{out}"
+    finally:
+        for p in servers:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("file", ["ring4.yaml", "chain4.yaml", "star8.yaml"])
+def test_tcp_crosses_every_link(load_topology, file):
+    topo = load_topology(file)
+    with running(topo) as tb:
+        before = {(h, i.iface): _rx_bytes(tb, h, i.iface) for h in topo.hosts for i in topo.plan.interfaces[h]}
+        all_pairs_tcp(tb)
+        # Every data interface of every host received (at least) a transfer's worth: every link carried data.
+        for (h, iface), b in before.items():
+            assert _rx_bytes(tb, h, iface) - b > 200_000, f"{h}:{iface} carried no data"
+        # Multi-hop really is multi-hop: in the chain, h1 reaches h4 through two forwarding hosts.
+        if file == "chain4.yaml":
+            r = tb.run("h1", ["ping", "-c1", "-W2", tb.address("h4")], check=True)
+            assert "ttl=62" in r.stdout
+
+
+def test_exec_passes_output_and_exit_code(load_topology):
+    topo = load_topology("pair.yaml")
+    with running(topo):
+        r = tb_cli("exec", "--topo", topo.name, "h1", "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+        assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
+        r = tb_cli("exec", "--topo", topo.name, "h2", "--", "hostname")
+        assert (r.returncode, r.stdout.strip()) == (0, "h2")
+        r = tb_cli("exec", "--topo", topo.name, "h1", "--", "ip", "-o", "-4", "addr", "show", "eth1")
+        assert "10.0.0.1/24" in r.stdout
+        r = tb_cli("exec", "--topo", topo.name, "h9", "--", "true")
+        assert r.returncode == 2 and "no host 'h9'" in r.stderr
+
+
+def test_down_leaves_nothing(load_topology):
+    topo = load_topology("star8.yaml")
+    links_before = root_links()
+    r = tb_cli("up", str(ROOT / "topologies/star8.yaml"), "--name", topo.name)
+    assert r.returncode == 0, r.stderr
+    try:
+        assert "h8" in r.stdout and "s1" in r.stdout
+        # A process left running inside a host, and a qdisc + iptables rule: down must remove all of it.
+        sleeper = subprocess.Popen([*tb_argv(), "exec", "--topo", topo.name, "h3", "--", "sleep", "600"])
+        time.sleep(0.5)
+        status = json.loads(tb_cli("status", "--topo", topo.name, "--json").stdout)[0]
+        assert status["healthy"] and len(status["hosts"]) == 8
+        assert leftovers(topo.name)["netns"]
+    finally:
+        r = tb_cli("down", topo.name)
+    assert r.returncode == 0, r.stderr
+    sleeper.wait(timeout=10)
+    assert sleeper.returncode != 0  # killed by down, not left behind
+    assert not leftovers(topo.name)
+    assert root_links() == links_before
+    assert tb_cli("status", "--topo", topo.name).returncode == 2
+
+
+def tb_argv() -> list[str]:
+    return [sys.executable, "-m", "testbed"]
+
+
+def test_down_all_after_sigkill_of_up(load_topology):
+    names = []
+    try:
+        # One `up` killed half-way, one killed after it finished: both leave state for `down --all`.
+        for i, kill_after in enumerate(("partial", "complete")):
+            name = unique_name(f"kill{i}")
+            names.append(name)
+            p = subprocess.Popen([*tb_argv(), "up", str(ROOT / "topologies/star8.yaml"), "--name", name],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+            deadline = time.monotonic() + 60
+            if kill_after == "partial":
+                while len(leftovers(name).get("netns", [])) < 4 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                p.kill()
+            else:
+                p.wait(timeout=60)
+            p.wait()
+            assert leftovers(name).get("netns"), "nothing was created before the kill"
+        r = tb_cli("down", "--all")
+        assert r.returncode == 0, r.stderr
+        for name in names:
+            assert not leftovers(name), leftovers(name)
+    finally:
+        for name in names:
+            tb_cli("down", name)
+
+
+def test_two_topologies_do_not_interfere(load_topology):
+    a, b = load_topology("pair.yaml"), load_topology("pair.yaml")
+    assert a.name != b.name and a.plan.mgmt == b.plan.mgmt  # same addresses on purpose
+    with running(a) as ta:
+        with running(b) as tb:
+            # Each pair talks within itself; marking h1's hostname shows exec lands in the right topology.
+            all_pairs_tcp(ta)
+            all_pairs_tcp(tb)
+            ta.run("h1", ["sh", "-c", "echo A > /dev/null"], check=True)
+            assert ta.host("h1").netns != tb.host("h1").netns
+        # b is gone; a still works.
+        all_pairs_tcp(ta)
+
+
+def test_rate_limit_is_applied(load_topology):
+    topo = load_topology("pair.yaml").with_overrides(rate="50mbit")
+    with running(topo) as tb:
+        q = tb.run("h1", ["tc", "qdisc", "show", "dev", "eth1"], check=True).stdout
+        assert "tbf" in q and "50Mbit" in q
+        srv = tb.popen("h2", ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL)
+        try:
+            time.sleep(0.3)
+            r = tb.run("h1", ["iperf3", "-c", tb.address("h2"), "-t", "2", "-J"], timeout=30)
+            bps = json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"]
+            # Shaped to 50 Mbit/s: far below an unshaped veth (>1 Gbit/s), not starved either.
+            assert 25e6 < bps < 60e6, bps
+        finally:
+            srv.kill()
+            srv.wait()
+
+
+def test_delay_without_netem_is_refused_clearly(load_topology, tmp_path):
+    from testbed.link import netem_available
+
+    topo_file = tmp_path / "delay.yaml"
+    name = unique_name("delay")
+    topo_file.write_text(f"""name: {name}
+topology:
+  nodes: {{a: {{}}, b: {{}}}}
+  links:
+    - endpoints: [a:eth1, b:eth1]
+      delay: 1ms
+""")
+    r = tb_cli("up", str(topo_file))
+    try:
+        if netem_available():
+            assert r.returncode == 0, r.stderr
+            q = subprocess.run(["ip", "netns", "exec", f"tb.{name}.a", "tc", "qdisc"], capture_output=True, text=True)
+            assert "netem" in q.stdout
+        else:
+            assert r.returncode == 3, r.stderr
+            assert "netem" in r.stderr and "a-b (a->b)" in r.stderr
+            assert not leftovers(name)
+    finally:
+        tb_cli("down", name)
