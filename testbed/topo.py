@@ -7,6 +7,7 @@ bad input. The file format follows containerlab (`name`, `topology.nodes`, `topo
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 from collections import deque
@@ -46,7 +47,7 @@ class TopologyError(Exception):
 
     def render(self) -> str:
         out = []
-        for path, msg in self.problems:
+        for path, msg in sorted(self.problems, key=lambda p: self.lines.get(p[0], 0)):
             line = self.lines.get(path)
             where = f"{self.file}:{line}" if line else self.file
             out.append(f"{where}: {path or '(top level)'}: {msg}" if path else f"{where}: {msg}")
@@ -343,9 +344,10 @@ class Topology:
         except OSError as e:
             raise TopologyError(path, [("", f"cannot read file: {e.strerror or e}")]) from None
         raw, lines = _parse_yaml(text, path)
-        if name is not None:
+        if name is not None and isinstance(raw, dict):
             raw["name"] = name
-        return cls.from_dict(raw, file=str(path), lines=lines)
+        topo = cls.from_dict(raw, file=str(path), lines=lines)
+        return dataclasses.replace(topo, file=str(path.resolve()))
 
     @classmethod
     def from_dict(cls, raw: Any, file: str | None = None, lines: dict[str, int] | None = None) -> "Topology":
@@ -374,6 +376,9 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, (str, int, float, bool)) and key is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain name, not a {type(key).__name__}", key_node.start_mark)
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
@@ -436,7 +441,7 @@ def _pydantic_problems(e: ValidationError) -> list[tuple[str, str]]:
             msg = "unknown key (check its spelling and the documented fields)"
         elif err["type"] == "missing":
             msg = "required field is missing"
-        elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], (dict, list)):
+        elif err["type"] != "value_error" and "input" in err and not isinstance(err["input"], (dict, list)):
             msg = f"{msg} (got {err['input']!r})"
         problems.append((_path(loc), msg))
     return problems
