@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Time `up` + `down` of star8 and of a 32-host star (median of several runs), and, when Debian's mininet is
-installed, the same star built by Mininet with Linux bridges in the same run, as a reference.
+installed (apt-get install mininet bridge-utils), the same star built by Mininet with Linux bridges in the
+same run, as a reference. Mininet creates its switch and interfaces in the root namespace; the testbed keeps
+everything inside its own namespaces.
 
     .venv/bin/python benchmarks/bench_topology.py [--runs 5] [--json out.json]
 """
@@ -49,7 +51,7 @@ MININET_SCRIPT = """
 import sys, time
 from mininet.net import Mininet
 from mininet.topo import SingleSwitchTopo
-from mininet.node import LinuxBridge
+from mininet.nodelib import LinuxBridge
 from mininet.clean import cleanup
 n = int(sys.argv[1])
 t0 = time.perf_counter()
@@ -58,7 +60,7 @@ net.start()
 t1 = time.perf_counter()
 net.stop()
 t2 = time.perf_counter()
-print(t1 - t0, t2 - t1)
+print("RESULT", t1 - t0, t2 - t1)
 """
 
 
@@ -73,7 +75,8 @@ def time_mininet(n: int, runs: int) -> dict | None:
         r = subprocess.run(["/usr/bin/python3", f.name, str(n)], capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "failed"}
-        u, d = map(float, r.stdout.split()[-2:])
+        line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT"))
+        u, d = map(float, line.split()[1:3])
         ups.append(u)
         downs.append(d)
     subprocess.run(["mn", "-c"], capture_output=True)
