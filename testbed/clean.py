@@ -80,6 +80,7 @@ def sweep_topology(name: str) -> list[str]:
     for ns in nsutil.list_testbed_netns(name):
         nsutil.remove_netns(ns)
         removed.append(f"netns {ns}")
+    _sweep_etc_netns(f"{nsutil.PREFIX}{name}.")
     d = state_dir(name)
     for mnt in _mounts_under(str(d) + "/"):
         subprocess.run(["umount", "-l", mnt], capture_output=True)
@@ -113,13 +114,30 @@ def clean_all() -> dict:
         pass  # no docker runtime or no engine reachable: nothing of ours can be there
     for mnt in _mounts_under(str(STATE_ROOT) + "/"):
         subprocess.run(["umount", "-l", mnt], capture_output=True)
+    _sweep_etc_netns(nsutil.PREFIX)
     return done
+
+
+def _sweep_etc_netns(prefix: str) -> None:
+    try:
+        names = os.listdir("/etc/netns")
+    except FileNotFoundError:
+        return
+    for n in names:
+        if n.startswith(prefix):
+            shutil.rmtree(f"/etc/netns/{n}", ignore_errors=True)
 
 
 def leftovers(topology: str | None = None) -> dict:
     """What of the testbed exists right now (used by tests and `status`)."""
+    want = f"{nsutil.PREFIX}{topology}." if topology else nsutil.PREFIX
+    try:
+        etc = sorted(n for n in os.listdir("/etc/netns") if n.startswith(want))
+    except FileNotFoundError:
+        etc = []
     return {
         "netns": nsutil.list_testbed_netns(topology),
+        "etc_netns": etc,
         "engines": orphan_engine_pids(topology),
         "state": [n for n in running_names() if topology in (None, n)],
     }

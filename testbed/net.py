@@ -121,6 +121,9 @@ class Testbed:
         for h in topo.hosts:
             for r in topo.plan.routes[h]:
                 link.add_route(netns_of[h], str(r.dst), str(r.via), r.dev)
+        hosts_text = hosts_file(topo)
+        for h in topo.hosts:
+            self.runtime.set_hosts_file(self.host(h), hosts_text)
         for l in topo.links:
             for dname, snd, _rcv, imp in l.directions():
                 link.apply_impairment(netns_of[snd.node], snd.iface, imp, l.mtu)
@@ -250,6 +253,19 @@ class Testbed:
                  results_dir=st.data.get("results_dir"))
         tb.state = st
         return tb
+
+
+def hosts_file(topo: Topology) -> str:
+    """Every host by name: `h2` is its main data address, `h2-mgmt` its management address, `h2-eth2` each
+    further data interface."""
+    lines = ["127.0.0.1\tlocalhost"]
+    for h in topo.hosts:
+        ifs = topo.plan.interfaces[h]
+        if ifs:
+            lines.append(f"{ifs[0].address.ip}\t{h} {h}-{ifs[0].iface}")
+        lines += [f"{i.address.ip}\t{h}-{i.iface}" for i in ifs[1:]]
+        lines.append(f"{topo.plan.mgmt[h].ip}\t{h}-mgmt")
+    return "\n".join(lines) + "\n"
 
 
 def normalize_direction(l: Link, direction: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -52,6 +53,8 @@ def remove_netns(name: str) -> None:
             pr_netns.remove(name)
         except FileNotFoundError:
             pass
+    # Per-namespace /etc files (`ip netns exec` convention), e.g. the hosts file of a netns host.
+    shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
 def nsexec(netns_path: str, argv: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:

@@ -49,6 +49,9 @@ class Runtime(ABC):
     def popen(self, host: Host, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
         return subprocess.Popen(self.exec_argv(host, argv, env), **kw)
 
+    def set_hosts_file(self, host: Host, text: str) -> None:
+        """Give the host an /etc/hosts naming every host of its topology (optional per runtime)."""
+
     @abstractmethod
     def list(self, topology: str | None = None) -> list[str]:
         """Identifiers of the hosts this runtime holds for `topology` (all testbed hosts if None)."""

@@ -4,11 +4,14 @@ it has its own hostname. Needs no daemon."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 from .. import nsutil
 from .base import Host, Runtime, RuntimeUnavailable
+
+ETC_NETNS = Path("/etc/netns")
 
 
 class NetnsRuntime(Runtime):
@@ -45,11 +48,18 @@ class NetnsRuntime(Runtime):
             cmd += ["env", *(f"{k}={v}" for k, v in env.items())]
         return cmd + list(argv)
 
+    def set_hosts_file(self, host: Host, text: str) -> None:
+        # `ip netns exec` bind-mounts /etc/netns/NAME/hosts over /etc/hosts for commands run in the host.
+        d = ETC_NETNS / os.path.basename(host.netns)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "hosts").write_text(text)
+
     def list(self, topology: str | None = None) -> list[str]:
         return nsutil.list_testbed_netns(topology)
 
     def delete(self, host: Host) -> None:
         nsutil.remove_netns(os.path.basename(host.netns))
+        shutil.rmtree(ETC_NETNS / os.path.basename(host.netns), ignore_errors=True)
         if host.uts:
             _release_uts(host.uts)
 
