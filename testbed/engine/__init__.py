@@ -1,0 +1,10 @@
+"""The corruption engine: an NFQUEUE shim that flips bits of packets crossing one link direction.
+
+- ``models``: seeded bit error models (Bernoulli, Gilbert-Elliott) and offset-keyed flips per TCP flow.
+- ``packet``: IPv4/TCP/UDP parsing, checksums, bit flipping.
+- ``nfqueue``: a lean nfnetlink_queue client.
+- ``corruptor``: the per-packet pipeline (scope, checksum mode, counters).
+- ``shim`` / ``__main__``: the engine process; ``manager``: start/stop/query engines from outside.
+
+See docs/engine.md.
+"""

@@ -1,0 +1,104 @@
+"""The engine's configuration: one JSON object (docs/contracts.md, "Engine process"), written by the manager
+and read by the engine process. ``EngineSpec`` is that object as a dataclass."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from .models import validate_error_model
+
+__all__ = ["EngineSpec", "SCOPES", "CHECKSUM_MODES", "HOOKS", "SETTABLE"]
+
+SCOPES = ("payload", "all", "tensor")
+CHECKSUM_MODES = ("fix", "keep")
+HOOKS = ("egress", "ingress")
+# Settings `{"cmd": "set", ...}` may change live.
+SETTABLE = ("ber", "error_model", "scope", "checksum", "seed", "collectives", "control_ports")
+
+
+@dataclass
+class EngineSpec:
+    netns: str  # path of the network namespace, e.g. /run/netns/tb.pair.h1
+    iface: str
+    control_socket: str
+    stats_file: str
+    topology: str = ""
+    link: str = ""
+    direction: str = ""
+    hook: str = "egress"  # egress: mangle POSTROUTING -o iface; ingress: mangle PREROUTING -i iface
+    queue_num: int = 1
+    ber: float = 0.0
+    error_model: dict = field(default_factory=lambda: {"type": "bernoulli"})
+    scope: str = "payload"
+    checksum: str = "fix"
+    seed: int = 0
+    collectives: list[str] | None = None
+    control_ports: list[int] = field(default_factory=list)
+    capture: dict | None = None  # {"dir": PATH, "max_bytes": N}
+    fail_open: bool = False  # NFQA_CFG_F_FAIL_OPEN: pass packets uncorrupted when the queue is full
+    queue_maxlen: int = 4096
+
+    def __post_init__(self):
+        if self.error_model is None:
+            self.error_model = {"type": "bernoulli"}
+        if self.seed is None:
+            self.seed = 0
+        self.control_ports = [int(p) for p in (self.control_ports or [])]
+        self.collectives = list(self.collectives) if self.collectives else None
+
+    def validate(self) -> "EngineSpec":
+        """Raise ValueError naming the first bad field."""
+        if self.hook not in HOOKS:
+            raise ValueError(f"hook must be one of {HOOKS}, got {self.hook!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.checksum not in CHECKSUM_MODES:
+            raise ValueError(f"checksum must be one of {CHECKSUM_MODES}, got {self.checksum!r}")
+        if not (0 <= int(self.queue_num) <= 65535):
+            raise ValueError(f"queue_num must be in [0, 65535], got {self.queue_num}")
+        if not (0 <= int(self.seed) < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not self.iface or len(self.iface) > 15:
+            raise ValueError(f"iface must be an interface name (1-15 chars), got {self.iface!r}")
+        if len(os.fsencode(self.control_socket)) >= 108:  # sun_path limit
+            raise ValueError(f"control_socket path too long for a Unix socket (max 107 bytes): {self.control_socket}")
+        for p in self.control_ports:
+            if not 0 < p < 65536:
+                raise ValueError(f"control port {p} out of range")
+        self.error_model = validate_error_model(self.error_model, self.ber)
+        if self.capture is not None:
+            if not isinstance(self.capture, dict) or not self.capture.get("dir"):
+                raise ValueError("capture must be null or {\"dir\": PATH, \"max_bytes\": N}")
+            self.capture = {"dir": str(self.capture["dir"]),
+                            "max_bytes": int(self.capture.get("max_bytes", 10_000_000))}
+        if self.collectives is not None and self.scope != "tensor":
+            raise ValueError("collectives filters apply to scope 'tensor' only")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineSpec":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown engine config keys {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "EngineSpec":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def config_path(self) -> Path:
+        """Where the manager writes this spec: beside the stats file (``X.stats.json`` -> ``X.config.json``)."""
+        stats = Path(self.stats_file)
+        stem = stats.name[: -len(".stats.json")] if stats.name.endswith(".stats.json") else stats.name
+        return stats.with_name(stem + ".config.json")
+
+    def log_path(self) -> Path:
+        p = self.config_path()
+        return p.with_name(p.name[: -len(".config.json")] + ".log")

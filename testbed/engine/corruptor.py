@@ -1,0 +1,321 @@
+"""The per-packet pipeline: parse, pick the eligible bits (by scope), draw flips from the model, apply them,
+settle the checksum (by mode), count. Pure: bytes in, bytes (or None = unmodified) out; no sockets, so it
+can be tested (and fuzzed) without a queue.
+
+Which model draws the flips:
+
+- TCP with checksum ``fix`` and scope ``payload``/``tensor``: ``OffsetKeyedFlips`` per flow direction,
+  keyed by the stream offset from the ISN (or the first sequence number seen). A retransmitted byte range
+  gets the same flips as the first time and is not counted twice, so the bytes the application reads carry
+  exactly ``bits_flipped`` errors.
+- everything else (``keep``, UDP, scope ``all``): one sequential model per engine (= per link direction).
+  Retransmissions get fresh, independent errors, as on a real link; in ``keep`` mode they must, or a
+  corrupted segment would be dropped again on every retransmission and the flow would stall.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .config import SETTABLE, EngineSpec
+from .flows import FlowState, FlowTable, flow_key_ints
+from .models import OffsetKeyedFlips, build_model, validate_error_model
+from .nfqueue import SKB_CSUMNOTREADY
+from .packet import (
+    IPPROTO_TCP,
+    IPPROTO_UDP,
+    apply_flips,
+    fix_ipv4_header_checksum,
+    fix_l4_checksum,
+    parse_ipv4,
+)
+from .stats import Counters
+
+try:  # scope "tensor": the gloo stream tracker (testbed/engine/gloo.py)
+    from .gloo import GlooStreamTracker
+except ImportError:  # pragma: no cover - the tracker ships with the package
+    GlooStreamTracker = None
+
+__all__ = ["Corruptor", "uses_gso"]
+
+log = logging.getLogger(__name__)
+
+# Seed-derivation tags, so the link model and the per-flow models never share a stream.
+_TAG_LINK = 1
+_TAG_FLOW = 2
+
+
+def uses_gso(scope: str, checksum: str) -> bool:
+    """Whether the queue should take GSO super-packets (NFQA_CFG_F_GSO).
+
+    Only for ``fix`` with scope ``payload``/``tensor``: the packet is checksummed again in full after the
+    flips, and offset-keyed flips do not depend on how the stream is cut into packets, so big packets change
+    nothing but speed. ``keep`` and ``all`` need MTU-sized frames (without the flag the kernel segments and
+    completes checksums before queueing) so each frame is corrupted and checked as on a real link.
+    """
+    return checksum == "fix" and scope in ("payload", "tensor")
+
+
+class Corruptor:
+    def __init__(self, spec: EngineSpec, capture=None):
+        spec.validate()
+        self.spec = spec
+        self.ber = float(spec.ber)
+        self.error_model = dict(spec.error_model)
+        self.scope = spec.scope
+        self.checksum = spec.checksum
+        self.seed = int(spec.seed)
+        self.collectives = spec.collectives
+        self.control_ports = frozenset(spec.control_ports)
+        self.capture = capture
+        self.counters = Counters(self.ber)
+        self.flows = FlowTable()
+        self._generation = 0  # bumped when the model or seed changes: new streams for everything
+        self.link_model = self._build(_TAG_LINK)
+        self._update_mode()
+
+    # -- settings ----------------------------------------------------------------------------------------------
+
+    def _build(self, tag: int, *key: int):
+        return build_model(self.error_model, self.ber, self.seed, tag, self._generation, *key)
+
+    def _update_mode(self) -> None:
+        self.offset_keyed = self.checksum == "fix" and self.scope in ("payload", "tensor")
+        self.fix = self.checksum == "fix"
+        self.gso = uses_gso(self.scope, self.checksum)
+
+    def settings(self) -> dict:
+        return {"ber": self.ber, "error_model": dict(self.error_model), "scope": self.scope,
+                "checksum": self.checksum, "seed": self.seed, "collectives": self.collectives,
+                "control_ports": sorted(self.control_ports)}
+
+    def set(self, **settings) -> dict:
+        """Change settings live (keys: ``SETTABLE``; None values are ignored). Raises ValueError, changing
+        nothing, if a value is invalid. Returns the settings now in force."""
+        settings = {k: v for k, v in settings.items() if v is not None}
+        unknown = set(settings) - set(SETTABLE)
+        if unknown:
+            raise ValueError(f"cannot set {sorted(unknown)}; settable: {', '.join(SETTABLE)}")
+        new = self.settings()
+        new.update(settings)
+        probe = EngineSpec(netns=self.spec.netns, iface=self.spec.iface, control_socket=self.spec.control_socket,
+                           stats_file=self.spec.stats_file, ber=new["ber"], error_model=new["error_model"],
+                           scope=new["scope"], checksum=new["checksum"], seed=new["seed"],
+                           collectives=new["collectives"] if new["scope"] == "tensor" else None,
+                           control_ports=new["control_ports"])
+        probe.validate()  # raises before anything changes
+        em = validate_error_model(probe.error_model, probe.ber)
+        rebuild = em != self.error_model or int(probe.seed) != self.seed
+        ber_changed = float(probe.ber) != self.ber
+        self.error_model, self.seed = em, int(probe.seed)
+        self.scope, self.checksum, self.collectives = probe.scope, probe.checksum, probe.collectives
+        if ber_changed or rebuild:
+            self.ber = float(probe.ber)
+            self.counters.new_epoch(self.ber)
+        if rebuild:
+            self._generation += 1
+            self.link_model = self._build(_TAG_LINK)
+            for flow in self.flows.values():
+                if flow.okf is not None:
+                    flow.okf.model = self._build(_TAG_FLOW, flow.conn, *flow_key_ints(flow.key))
+        elif ber_changed:
+            self.link_model.set_ber(self.ber)
+            for flow in self.flows.values():
+                if flow.okf is not None:
+                    flow.okf.set_ber(self.ber)
+        ports = frozenset(int(p) for p in probe.control_ports)
+        if ports != self.control_ports:
+            self.control_ports = ports
+            for flow in self.flows.values():
+                flow.excluded = self._is_control(flow.key)
+        self._update_mode()
+        return self.settings()
+
+    # -- per packet --------------------------------------------------------------------------------------------
+
+    def _is_control(self, key: bytes) -> bool:
+        return ((key[8] << 8) | key[9]) in self.control_ports or ((key[10] << 8) | key[11]) in self.control_ports
+
+    def _new_flow(self, key: bytes) -> FlowState:
+        excluded = bool(self.control_ports) and self._is_control(key)
+        if excluded:
+            self.counters.flows_excluded += 1
+        return self.flows.add(FlowState(key, excluded))
+
+    def process(self, pkt, info: int = 0):
+        """Corrupt one IP packet. Returns the modified packet (a bytearray of the same length) or None when
+        the packet passes unmodified. Never raises on packet content."""
+        c = self.counters
+        c.packets += 1
+        c.bytes += len(pkt)
+        parsed = parse_ipv4(pkt)
+        if parsed.__class__ is str:
+            c.unparsed(parsed)
+            return None
+        proto, ihl, l4h, total = parsed
+        key = bytes(pkt[12:20]) + bytes(pkt[ihl:ihl + 4])
+        flow = self.flows.get(key)
+        if flow is None:
+            flow = self._new_flow(key)
+        if flow.excluded:
+            return None
+        pay = ihl + l4h
+        if self.scope == "all":
+            return self._sequential(pkt, 0, total, proto, ihl, total, info, whole=True)
+        if proto == IPPROTO_TCP:
+            if self.offset_keyed or self.scope == "tensor":
+                return self._tcp_stream(flow, pkt, ihl, pay, total, info)
+            return self._sequential(pkt, pay, total, proto, ihl, total, info)
+        if self.scope == "tensor":  # gloo runs over TCP: no tensor bytes in UDP
+            return None
+        return self._sequential(pkt, pay, total, proto, ihl, total, info)
+
+    def _sequential(self, pkt, a: int, b: int, proto: int, ihl: int, total: int, info: int, whole: bool = False):
+        """Flip bits of ``pkt[a:b]`` drawn from the link's sequential model."""
+        nbits = (b - a) << 3
+        c = self.counters
+        c.bits_seen += nbits
+        f = self.link_model.flips(nbits)
+        if not f.size:
+            return None
+        c.bits_flipped += f.size
+        return self._emit(pkt, a, f, proto, ihl, total, info, whole)
+
+    def _tcp_stream(self, flow: FlowState, pkt, ihl: int, pay: int, total: int, info: int):
+        plen = total - pay
+        seq = (pkt[ihl + 4] << 24) | (pkt[ihl + 5] << 16) | (pkt[ihl + 6] << 8) | pkt[ihl + 7]
+        off, new_stream = flow.stream_offset(seq, pkt[ihl + 13], plen)
+        if new_stream and self.scope == "tensor":
+            if GlooStreamTracker is None:  # pragma: no cover
+                raise RuntimeError("scope 'tensor' needs testbed/engine/gloo.py")
+            flow.tracker = GlooStreamTracker(flow.initiator, self.collectives)
+        if plen <= 0:
+            return None
+        c = self.counters
+        if self.scope == "tensor":
+            tracker = flow.tracker
+            if tracker is None:  # start not seen in tensor scope (first seen mid-stream): never corrupted
+                if not flow.desync_counted:
+                    flow.desync_counted = True
+                    c.flows_midstream += 1
+                return None
+            ranges = tracker.eligible(off, pkt[pay:total])
+            if tracker.desynced and not flow.desync_counted:
+                flow.desync_counted = True
+                c.flows_desynced += 1
+            if not ranges:
+                return None
+        else:
+            if off < 0:  # bytes before the first sequence number seen: not part of the tracked stream
+                if off + plen <= 0:
+                    return None
+                ranges = [(0, off + plen)]
+            else:
+                ranges = None
+        if not self.offset_keyed:  # tensor + keep: eligible ranges from the tracker, flips from the link model
+            return self._sequential_ranges(pkt, off, pay, ranges, IPPROTO_TCP, ihl, total, info)
+        okf = flow.okf
+        if okf is None:
+            okf = flow.okf = OffsetKeyedFlips(self._build(_TAG_FLOW, flow.conn, *flow_key_ints(flow.key)))
+        forgotten = okf.forgotten_bits
+        if ranges is None:  # payload scope, whole segment
+            r = okf.flips_at(off << 3, plen << 3)
+            c.bits_seen += r.new_bits
+            c.retransmitted_bits += r.retx_bits
+            if r.new_flips:
+                c.bits_flipped += r.new_flips
+            if r.retx_flips:
+                c.retransmitted_flips += r.retx_flips
+            if okf.forgotten_bits != forgotten:
+                c.forgotten_bits += okf.forgotten_bits - forgotten
+            if not r.positions.size:
+                return None
+            return self._emit(pkt, pay, r.positions, IPPROTO_TCP, ihl, total, info)
+        parts = []
+        for s, e in ranges:
+            r = okf.flips_at(s << 3, (e - s) << 3)
+            c.bits_seen += r.new_bits
+            c.bits_flipped += r.new_flips
+            c.retransmitted_bits += r.retx_bits
+            c.retransmitted_flips += r.retx_flips
+            if r.positions.size:
+                parts.append(r.positions + ((s - off) << 3))
+        c.forgotten_bits += okf.forgotten_bits - forgotten
+        if not parts:
+            return None
+        return self._emit(pkt, pay, parts[0] if len(parts) == 1 else np.concatenate(parts), IPPROTO_TCP, ihl,
+                          total, info)
+
+    def _sequential_ranges(self, pkt, off: int, pay: int, ranges, proto, ihl, total, info):
+        """Sequential-model flips over the eligible stream ranges (absolute offsets) of one segment."""
+        if ranges is None:
+            return self._sequential(pkt, pay, total, proto, ihl, total, info)
+        lengths = np.array([(e - s) << 3 for s, e in ranges], dtype=np.int64)
+        nbits = int(lengths.sum())
+        c = self.counters
+        c.bits_seen += nbits
+        f = self.link_model.flips(nbits)
+        if not f.size:
+            return None
+        c.bits_flipped += f.size
+        # map positions in the concatenated eligible bits back to the payload
+        ends = np.cumsum(lengths)
+        starts = np.array([(s - off) << 3 for s, _ in ranges], dtype=np.int64)
+        k = np.searchsorted(ends, f, side="right")
+        positions = f - (ends[k] - lengths[k]) + starts[k]
+        return self._emit(pkt, pay, positions, proto, ihl, total, info)
+
+    def _emit(self, pkt, base: int, positions: np.ndarray, proto: int, ihl: int, total: int, info: int,
+              whole: bool = False):
+        """Copy, flip, settle checksums, count, capture."""
+        out = bytearray(pkt)
+        if self.fix:
+            apply_flips(out, base, positions)
+            if whole:
+                self._fix_whole(out, proto, ihl, pkt)
+            elif proto == IPPROTO_TCP or ((pkt[ihl + 6] << 8) | pkt[ihl + 7]):  # UDP checksum 0 = none
+                fix_l4_checksum(out, ihl, total, proto)
+        else:
+            if info & SKB_CSUMNOTREADY:
+                # The field holds only the pseudo-header sum (offload pending); write the checksum the sender
+                # would have sent for the clean packet, so that the corruption is what the receiver catches.
+                fix_l4_checksum(out, ihl, total, proto)
+            apply_flips(out, base, positions)
+        c = self.counters
+        c.packets_modified += 1
+        if positions.size > 1:
+            c.packets_multiflip += 1
+        if self.capture is not None:
+            self.capture.write(bytes(pkt), out)
+        return out
+
+    @staticmethod
+    def _fix_whole(out: bytearray, proto: int, ihl: int, orig) -> None:
+        """Scope ``all`` with ``fix``: make the corrupted packet's checksums valid as its (possibly corrupted)
+        headers now describe it. Flips that landed on a checksum field are overwritten."""
+        parsed = parse_ipv4(out)
+        if parsed.__class__ is not str:
+            p_proto, p_ihl, _, p_total = parsed
+            no_udp_checksum = (p_proto == IPPROTO_UDP and proto == IPPROTO_UDP
+                               and not (out[p_ihl + 6] or out[p_ihl + 7]) and not (orig[ihl + 6] or orig[ihl + 7]))
+            if not no_udp_checksum:
+                fix_l4_checksum(out, p_ihl, p_total, p_proto)
+        n = len(out)
+        if n >= 20 and out[0] >> 4 == 4:
+            h = (out[0] & 0x0F) << 2
+            if 20 <= h <= n:
+                fix_ipv4_header_checksum(out, h)
+
+    # -- reporting ---------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        d = self.counters.to_dict()
+        d.update(self.settings())
+        d["flows"] = len(self.flows)
+        d["gso"] = self.gso
+        if self.capture is not None:
+            d["capture"] = self.capture.stats()
+        return d
+

@@ -1,0 +1,294 @@
+"""Start, query, change and stop engine processes (one per corrupted link direction).
+
+``start_engine`` writes the config, starts ``python -m testbed.engine --config FILE`` in its own process
+group, waits for "READY" (the queue is bound), and only then adds the iptables NFQUEUE rule inside the
+namespace, without ``--queue-bypass``: from then on a dead engine means a dead link (fail closed), never a
+clean one. ``EngineHandle`` is plain data (``to_dict``/``from_dict``) so a later process can stop the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .config import EngineSpec
+from .control import request
+
+__all__ = [
+    "EngineSpec",
+    "EngineHandle",
+    "EngineError",
+    "start_engine",
+    "stop_engine",
+    "engine_stats",
+    "set_engine",
+    "engine_alive",
+    "iptables_rule",
+]
+
+_CHILDREN: dict[int, subprocess.Popen] = {}  # engines started by this process, until reaped
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the testbed package
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineHandle:
+    spec: EngineSpec
+    pid: int
+    start_time: int | None  # /proc/PID/stat starttime: tells our engine from a later process reusing the pid
+    config_path: str
+    log_path: str
+    rule: list[str] = field(default_factory=list)  # iptables arguments after -A / -D
+    started_at: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec.to_dict(), "pid": self.pid, "start_time": self.start_time,
+                "config_path": self.config_path, "log_path": self.log_path, "rule": list(self.rule),
+                "started_at": self.started_at}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineHandle":
+        return cls(spec=EngineSpec.from_dict(d["spec"]), pid=int(d["pid"]), start_time=d.get("start_time"),
+                   config_path=d["config_path"], log_path=d["log_path"], rule=list(d.get("rule") or []),
+                   started_at=float(d.get("started_at") or 0.0))
+
+
+def iptables_rule(spec: EngineSpec) -> list[str]:
+    """The rule (arguments after -A/-D) that sends the link direction's packets to the engine's queue."""
+    if spec.hook == "egress":
+        chain, dev = "POSTROUTING", "-o"
+    else:
+        chain, dev = "PREROUTING", "-i"
+    return ["-t", "mangle", chain, dev, spec.iface, "-j", "NFQUEUE", "--queue-num", str(spec.queue_num)]
+
+
+def _iptables(netns: str, action: str, rule: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    table, chain, rest = rule[:2], rule[2], rule[3:]
+    argv = ["nsenter", f"--net={netns}", "--", "iptables", "-w", *table, action, chain, *rest]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise EngineError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip()}")
+    return r
+
+
+def _proc_start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # field 22 (starttime); the command name (field 2) may contain spaces, so split after its ')'
+    return int(stat.rpartition(")")[2].split()[19])
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return None
+
+
+def engine_alive(pid: int | None, start_time: int | None = None) -> bool:
+    """Whether process ``pid`` runs (not a zombie) and, if ``start_time`` is given, is the same process."""
+    if not pid:
+        return False
+    state = _proc_state(int(pid))
+    if state is None or state in ("Z", "X"):
+        if state == "Z":
+            _reap(int(pid))
+        return False
+    return start_time is None or _proc_start_time(int(pid)) == start_time
+
+
+def _reap(pid: int) -> None:
+    proc = _CHILDREN.get(pid)
+    if proc is not None:
+        if proc.poll() is not None:
+            del _CHILDREN[pid]
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def start_engine(spec: EngineSpec, python: str = sys.executable, ready_timeout: float = 20.0) -> EngineHandle:
+    """Start an engine for ``spec`` and attach it to the link; raise EngineError (with the engine's stderr)
+    if it does not come up."""
+    spec = replace(spec, stats_file=os.path.abspath(spec.stats_file),
+                   control_socket=os.path.abspath(spec.control_socket)).validate()  # the engine runs in /
+    if not os.path.exists(spec.netns):
+        raise EngineError(f"network namespace {spec.netns} does not exist")
+    for p in (spec.stats_file, spec.control_socket):
+        Path(p).parent.mkdir(parents=True, exist_ok=True)
+    config_path = spec.config_path()
+    log_path = spec.log_path()
+    config_path.write_text(json.dumps(spec.to_dict(), indent=1))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([python, "-m", "testbed.engine", "--config", str(config_path)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
+                                start_new_session=True, cwd="/")
+    handle = EngineHandle(spec=spec, pid=proc.pid, start_time=_proc_start_time(proc.pid),
+                          config_path=str(config_path), log_path=str(log_path), rule=iptables_rule(spec),
+                          started_at=time.time())
+    try:
+        _wait_ready(proc, ready_timeout, str(log_path))
+        _iptables(spec.netns, "-A", handle.rule)
+    except BaseException:
+        _kill(proc.pid)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        raise
+    finally:
+        proc.stdout.close()
+    _CHILDREN[proc.pid] = proc  # so that this process can reap it; a later process is not its parent
+    return handle
+
+
+def _wait_ready(proc: subprocess.Popen, timeout: float, log_path: str) -> None:
+    deadline = time.monotonic() + timeout
+    buf = b""
+    fd = proc.stdout.fileno()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise EngineError(f"engine pid {proc.pid} not ready after {timeout:.0f} s; its log "
+                              f"({log_path}):\n{_tail(log_path)}")
+        r, _, _ = select.select([fd], [], [], min(left, 0.2))
+        if r:
+            chunk = os.read(fd, 4096)
+            if not chunk:  # stdout closed: the engine exited
+                code = proc.wait(timeout=5)
+                raise EngineError(f"engine exited with status {code} before it was ready; its log "
+                                  f"({log_path}):\n{_tail(log_path)}")
+            buf += chunk
+            if b"READY\n" in buf:
+                return
+        elif proc.poll() is not None:
+            raise EngineError(f"engine exited with status {proc.returncode} before it was ready; its log "
+                              f"({log_path}):\n{_tail(log_path)}")
+
+
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(pid, sig)  # its own process group (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _read_stats_file(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def stop_engine(handle: EngineHandle, timeout: float = 10.0) -> dict:
+    """Detach the engine from the link (remove the rule while the namespace exists), stop it (SIGTERM, then
+    SIGKILL after ``timeout``), and return its final counters (from the stats file, ``alive: false``)."""
+    spec = handle.spec
+    if os.path.exists(spec.netns) and handle.rule:
+        _iptables(spec.netns, "-D", handle.rule, check=False)  # already gone is fine
+    if engine_alive(handle.pid, handle.start_time):
+        try:
+            os.kill(handle.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout
+        while engine_alive(handle.pid, handle.start_time) and time.monotonic() < deadline:
+            _reap(handle.pid)
+            time.sleep(0.02)
+        if engine_alive(handle.pid, handle.start_time):
+            _kill(handle.pid)
+            while engine_alive(handle.pid, handle.start_time) and time.monotonic() < deadline + 5:
+                time.sleep(0.02)
+    _reap(handle.pid)
+    stats = _read_stats_file(spec.stats_file) or {"link": spec.link, "direction": spec.direction}
+    stats["alive"] = False
+    return stats
+
+
+def _paths(handle_or_paths) -> tuple[str, str, int | None, int | None]:
+    h = handle_or_paths
+    if isinstance(h, EngineHandle):
+        return h.spec.control_socket, h.spec.stats_file, h.pid, h.start_time
+    if isinstance(h, EngineSpec):
+        return h.control_socket, h.stats_file, None, None
+    if isinstance(h, dict):
+        if "spec" in h:
+            return _paths(EngineHandle.from_dict(h))
+        return h["control_socket"], h["stats_file"], h.get("pid"), h.get("start_time")
+    if isinstance(h, (tuple, list)) and len(h) == 2:
+        return str(h[0]), str(h[1]), None, None
+    raise TypeError("engine_stats takes an EngineHandle, an EngineSpec, a handle/spec dict or "
+                    "(control_socket, stats_file)")
+
+
+def engine_stats(handle_or_paths, timeout: float = 2.0) -> dict:
+    """Live counters from the control socket (``alive: true``). If the engine does not answer: the last
+    stats file (written every ~0.5 s) with ``alive: false`` and ``error`` saying why; with ``alive: true,
+    responding: false`` instead when its process still runs (busy or stuck)."""
+    sock, stats_file, pid, start_time = _paths(handle_or_paths)
+    running = pid is not None and engine_alive(pid, start_time)
+    if pid is None or running:
+        try:
+            resp = request(sock, {"cmd": "stats"}, timeout=timeout)
+            resp.pop("ok", None)
+            resp["alive"] = True
+            return resp
+        except (OSError, ValueError) as e:
+            reason = f"control socket: {e}"
+    else:
+        reason = f"engine pid {pid} is not running"
+    stats = _read_stats_file(stats_file) or {}
+    stats["alive"] = running
+    if running:
+        stats["responding"] = False
+    stats["error"] = reason
+    return stats
+
+
+def set_engine(handle, timeout: float = 5.0, **settings) -> dict:
+    """Change corruption settings live (ber, error_model, scope, checksum, seed, collectives, control_ports;
+    None values are ignored). Returns the settings now in force; raises EngineError if refused."""
+    sock, _, pid, start_time = _paths(handle)
+    if pid is not None and not engine_alive(pid, start_time):
+        raise EngineError(f"engine pid {pid} is not running")
+    req = {"cmd": "set", **{k: v for k, v in settings.items() if v is not None}}
+    try:
+        resp = request(sock, req, timeout=timeout)
+    except OSError as e:
+        raise EngineError(f"engine control socket {sock}: {e}") from e
+    if not resp.get("ok"):
+        raise EngineError(f"engine refused {req}: {resp.get('error')}")
+    return resp["settings"]

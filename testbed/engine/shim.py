@@ -1,0 +1,235 @@
+"""The engine process (docs/contracts.md, "Engine process"): enter the namespace, bind the queue, then loop
+over queued packets and control requests until SIGTERM or ``{"cmd": "stop"}``.
+
+Fail closed: the queue is bound without NFQA_CFG_F_FAIL_OPEN (unless configured) and the manager adds the
+iptables rule without ``--queue-bypass``, so while the rule exists and this process is not reading, the
+link drops packets instead of passing them clean.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+
+from .capture import CaptureWriter
+from .config import EngineSpec
+from .control import ControlServer
+from .corruptor import Corruptor
+from .nfqueue import NfQueue
+from .stats import write_json_atomic
+
+__all__ = ["Engine", "main"]
+
+log = logging.getLogger("testbed.engine")
+
+STATS_INTERVAL = 0.5  # seconds between stats file writes
+_BATCH = 64  # packets between verdict flushes under load (bounds the added latency of a batch)
+_DRAIN = 512  # packets per wake-up before control requests get a turn
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec.validate()
+        self.capture = None
+        if spec.capture:
+            self.capture = CaptureWriter(spec.capture["dir"], spec.capture["max_bytes"])
+        self.corruptor = Corruptor(spec, self.capture)
+        self.queue: NfQueue | None = None
+        self.control: ControlServer | None = None
+        self.stopping = False
+        self.started_at = time.time()
+        self._errors_logged = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        from pyroute2 import netns
+
+        netns.setns(self.spec.netns, flags=0)  # flags=0: never create a namespace that is not there
+        self.queue = NfQueue(self.spec.queue_num, gso=self.corruptor.gso, fail_open=self.spec.fail_open,
+                             maxlen=self.spec.queue_maxlen)
+        self.control = ControlServer(self.spec.control_socket, self.handle_request)
+        self.write_stats()
+
+    def close(self, final: bool = True) -> None:
+        if self.queue is not None:
+            try:
+                self.queue.flush()
+            except OSError:
+                pass
+        self.write_stats(final=final)
+        if self.capture is not None:
+            self.capture.close()
+        if self.control is not None:
+            self.control.close()
+        if self.queue is not None:
+            self.queue.close()  # the kernel unbinds the queue; with the rule still there, packets drop
+
+    # -- reporting ---------------------------------------------------------------------------------------------
+
+    def stats(self, final: bool = False) -> dict:
+        s = self.spec
+        d = {"topology": s.topology, "link": s.link, "direction": s.direction, "pid": os.getpid(),
+             "alive": not final, "netns": s.netns, "iface": s.iface, "hook": s.hook, "queue_num": s.queue_num,
+             "started_at": self.started_at, "updated_at": time.time()}
+        d.update(self.corruptor.stats())
+        if self.queue is not None:
+            d["fail_open"] = self.queue.fail_open
+            d["verdict_errors"] = self.queue.errors
+        if final:
+            d["exited_at"] = d["updated_at"]
+        return d
+
+    def write_stats(self, final: bool = False) -> None:
+        if self.capture is not None:
+            self.capture.flush()
+        try:
+            write_json_atomic(self.spec.stats_file, self.stats(final))
+        except OSError as e:  # a full or vanished state dir must not stop the link
+            log.warning("cannot write stats file %s: %s", self.spec.stats_file, e)
+
+    # -- control -----------------------------------------------------------------------------------------------
+
+    def handle_request(self, req: dict) -> dict:
+        cmd = req.get("cmd")
+        if cmd == "stats":
+            return {"ok": True, **self.stats()}
+        if cmd == "set":
+            settings = {k: v for k, v in req.items() if k != "cmd"}
+            new = self.corruptor.set(**settings)
+            if self.queue is not None and self.corruptor.gso != self.queue.gso:
+                self.queue.flush()
+                self.queue.set_flags(gso=self.corruptor.gso, fail_open=self.queue.fail_open)
+            log.info("settings changed: %s", settings)
+            self.write_stats()
+            return {"ok": True, "settings": new}
+        if cmd == "stop":
+            self.stopping = True
+            return {"ok": True}
+        raise ValueError(f"unknown cmd {cmd!r} (stats, set, stop)")
+
+    # -- packets -----------------------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Process queued packets until none is waiting (or _DRAIN of them), then send the verdicts."""
+        q = self.queue
+        process = self.corruptor.process
+        counters = self.corruptor.counters
+        recv = q.recv
+        n = 0
+        while n < _DRAIN:
+            m = recv()
+            if m is None:
+                break
+            pid, payload, info, cap_len = m
+            n += 1
+            if cap_len:  # the kernel copied only part of it: a verdict payload would truncate it
+                counters.packets += 1
+                counters.bytes += cap_len
+                counters.packets_truncated += 1
+                q.accept_upto(pid)
+                continue
+            try:
+                out = process(payload, info)
+            except Exception:  # a bug must cost one packet's corruption, not the link
+                counters.packets_errors += 1
+                out = None
+                if self._errors_logged < 10:
+                    self._errors_logged += 1
+                    log.error("packet processing failed (passed unmodified):\n%s", traceback.format_exc())
+            if out is None:
+                q.accept_upto(pid)
+            else:
+                q.verdict(pid, out)
+            if not n % _BATCH:
+                q.flush()
+        q.flush()
+
+    def run(self) -> None:
+        qfd = self.queue.fileno()
+        cfd = self.control.fileno()
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+
+        def on_signal(signum, frame):
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.set_wakeup_fd(wake_w)  # wakes epoll; the handler itself runs between bytecodes
+
+        ep = select.epoll()
+        ep.register(qfd, select.EPOLLIN)
+        ep.register(cfd, select.EPOLLIN)
+        ep.register(wake_r, select.EPOLLIN)
+        # Per-packet objects form no cycles; keep the cyclic GC from pausing the hot loop.
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        next_stats = time.monotonic() + STATS_INTERVAL
+        try:
+            while not self.stopping:
+                timeout = max(0.0, next_stats - time.monotonic())
+                for fd, _ev in ep.poll(timeout):
+                    if fd == qfd:
+                        self.drain()
+                    elif fd == cfd:
+                        conn = self.control.accept()
+                        if conn is not None:
+                            ep.register(conn.fileno(), select.EPOLLIN)
+                    elif fd == wake_r:
+                        try:
+                            os.read(wake_r, 512)
+                        except BlockingIOError:
+                            pass
+                    elif fd in self.control.clients:
+                        self.control.serve(fd)  # closing a client also removes it from the epoll set
+                now = time.monotonic()
+                if now >= next_stats:
+                    self.write_stats()
+                    gc.collect(0)
+                    next_stats = now + STATS_INTERVAL
+        finally:
+            signal.set_wakeup_fd(-1)
+            ep.close()
+            os.close(wake_r)
+            os.close(wake_w)
+
+
+def main(config_path: str) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+    try:
+        spec = EngineSpec.load(config_path)
+        engine = Engine(spec)
+        engine.start()
+    except Exception as e:
+        log.error("engine failed to start: %s\n%s", e, traceback.format_exc())
+        return 2
+    log.info("bound queue %d in %s (iface %s, %s, scope %s, checksum %s, ber %g, gso %s)", spec.queue_num,
+             spec.netns, spec.iface, spec.hook, spec.scope, spec.checksum, spec.ber, engine.corruptor.gso)
+    print("READY", flush=True)
+    # Nothing more goes to stdout: the manager stops reading it after READY (a write could hit a closed pipe).
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    profile = os.environ.get("TESTBED_ENGINE_PROFILE")  # dev aid: cProfile the loop into this file
+    try:
+        if profile:
+            import cProfile
+
+            cProfile.runctx("engine.run()", globals(), {"engine": engine}, profile)
+        else:
+            engine.run()
+    finally:
+        engine.close(final=True)
+        log.info("stopped: %d packets, %d bits flipped", engine.corruptor.counters.packets,
+                 engine.corruptor.counters.bits_flipped)
+    return 0

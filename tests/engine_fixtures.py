@@ -1,0 +1,218 @@
+"""Real-network helpers for the engine tests and benchmark: two namespaces joined by a veth, processes in
+them, engines on the link, all torn down by ``close()`` even when a test fails.
+
+Namespaces are named ``tbE-<hex>-a`` / ``tbE-<hex>-b`` (the engine tests' own prefix), addresses
+10.99.0.1/24 (a) and 10.99.0.2/24 (b), interface ``veth0`` on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from pyroute2 import NetNS, netns
+
+from testbed.engine.manager import EngineSpec, engine_alive, start_engine, stop_engine
+
+PREFIX = "tbE"
+ADDR = {"a": "10.99.0.1", "b": "10.99.0.2"}
+IFACE = "veth0"
+PYTHON = sys.executable
+
+
+class VethLink:
+    """Namespaces a and b joined by one veth; tracks everything it starts."""
+
+    def __init__(self, mtu: int = 1500):
+        tag = uuid.uuid4().hex[:6]
+        self.ns = {"a": f"{PREFIX}-{tag}-a", "b": f"{PREFIX}-{tag}-b"}
+        self.path = {k: f"/run/netns/{v}" for k, v in self.ns.items()}
+        self.addr = dict(ADDR)
+        self.iface = IFACE
+        self.procs: list[subprocess.Popen] = []
+        self.engines: list = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="tbE-"))
+        self._queue = 0
+        created = []
+        try:
+            for side in ("a", "b"):
+                netns.create(self.ns[side])
+                created.append(side)
+            with NetNS(self.ns["a"]) as ns:
+                ns.link("add", ifname=IFACE, kind="veth", peer={"ifname": IFACE, "net_ns_fd": self.ns["b"]})
+            for side in ("a", "b"):
+                with NetNS(self.ns[side]) as ns:
+                    idx = ns.link_lookup(ifname=IFACE)[0]
+                    ns.link("set", index=idx, mtu=mtu)
+                    ns.addr("add", index=idx, address=self.addr[side], prefixlen=24)
+                    ns.link("set", index=idx, state="up")
+                    ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        except BaseException:
+            self.close()
+            raise
+
+    # -- processes ---------------------------------------------------------------------------------------------
+
+    def popen(self, side: str, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` inside namespace ``side`` (its own process group; killed by close())."""
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        kw.setdefault("text", True)
+        p = subprocess.Popen(["nsenter", f"--net={self.path[side]}", "--", *argv], start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def probe(self, side: str, *args: str, **kw) -> subprocess.Popen:
+        return self.popen(side, [PYTHON, "-m", "testbed.engine.probe", *map(str, args)], **kw)
+
+    def run(self, side: str, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run(["nsenter", f"--net={self.path[side]}", "--", *argv], capture_output=True,
+                              text=True, timeout=timeout)
+
+    def snmp(self, side: str, group: str = "Tcp") -> dict[str, int]:
+        """/proc/net/snmp counters of namespace ``side`` (nstat would share one history across netns)."""
+        out = self.run(side, ["cat", "/proc/net/snmp"]).stdout
+        lines = [line.split() for line in out.splitlines() if line.startswith(group + ":")]
+        return {k: int(v) for k, v in zip(lines[0][1:], lines[1][1:])}
+
+    # -- engines -----------------------------------------------------------------------------------------------
+
+    def engine_spec(self, side: str = "a", hook: str = "egress", **kw) -> EngineSpec:
+        self._queue += 1
+        name = f"e{self._queue}"
+        base = dict(netns=self.path[side], iface=self.iface, hook=hook, queue_num=self._queue,
+                    topology="tbE", link="a-b", direction="a->b" if side == "a" else "b->a",
+                    control_socket=str(self.tmp / f"{name}.sock"), stats_file=str(self.tmp / f"{name}.stats.json"))
+        base.update(kw)
+        return EngineSpec(**base)
+
+    def start_engine(self, side: str = "a", hook: str = "egress", **kw):
+        """An engine on the egress of ``side`` (or ingress), registered for teardown."""
+        h = start_engine(self.engine_spec(side, hook, **kw), python=PYTHON)
+        self.engines.append(h)
+        return h
+
+    # -- teardown ----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        errors = []
+        for h in self.engines:
+            try:
+                stop_engine(h, timeout=5)
+            except Exception as e:  # keep tearing down
+                errors.append(f"stop_engine: {e}")
+                if engine_alive(h.pid, h.start_time):
+                    _killpg(h.pid)
+        for p in self.procs:
+            if p.poll() is None:
+                _killpg(p.pid)
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                errors.append(f"pid {p.pid} did not die")
+            for f in (p.stdout, p.stderr, p.stdin):
+                if f is not None:
+                    f.close()
+        for name in self.ns.values():
+            if os.path.exists(f"/run/netns/{name}"):
+                _kill_netns_processes(name)
+                try:
+                    netns.remove(name)
+                except OSError as e:
+                    errors.append(f"netns remove {name}: {e}")
+        subprocess.run(["rm", "-rf", str(self.tmp)], check=False)
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _kill_netns_processes(name: str) -> None:
+    """Kill any process still inside our namespace (by pid, after checking its netns)."""
+    try:
+        target = os.stat(f"/run/netns/{name}")
+    except OSError:
+        return
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry}/ns/net")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@contextmanager
+def veth_link(mtu: int = 1500):
+    link = VethLink(mtu=mtu)
+    try:
+        yield link
+    finally:
+        link.close()
+
+
+def read_json_line(proc: subprocess.Popen, key: str, timeout: float = 30) -> dict:
+    """Read stdout lines of ``proc`` until a JSON object with ``key`` (raise with its stderr on EOF/timeout)."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no {key!r} line from pid {proc.pid} within {timeout} s")
+        r, _, _ = select.select([proc.stdout], [], [], left)
+        if not r:
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"pid {proc.pid} ended without a {key!r} line; stderr:\n{err}")
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if key in obj:
+            return obj
+
+
+def transfer(link: VethLink, nbytes: int, seed: int, port: int = 5001, sport: int = 0,
+             timeout: float = 120) -> tuple[dict, dict]:
+    """Send ``nbytes`` of probe bytes a -> b; return (sender result, receiver result). The source port is
+    fixed (``sport`` or 42000 + port % 1000) so the flow key, hence the offset-keyed flips, repeat run to run."""
+    sport = sport or 42000 + port % 1000
+    rx = link.probe("b", "recv", "--port", port, "--bytes", nbytes, "--seed", seed, "--timeout", timeout)
+    read_json_line(rx, "listening")
+    tx = link.probe("a", "send", "--host", link.addr["b"], "--port", port, "--bytes", nbytes, "--seed", seed,
+                    "--sport", sport, "--timeout", timeout)
+    sres = read_json_line(tx, "result", timeout)["result"]
+    rres = read_json_line(rx, "result", timeout)["result"]
+    tx.wait(10)
+    rx.wait(10)
+    return sres, rres
