@@ -174,7 +174,9 @@ def pingpong_client(host: str, port: int, count: int, size: int, warmup: int = 2
             rtts[i - warmup] = (time.perf_counter_ns() - t0) / 1e3
     s.close()
     return {"count": count, "size": size, "rtt_p50_us": float(np.percentile(rtts, 50)),
-            "rtt_p99_us": float(np.percentile(rtts, 99)), "rtt_mean_us": float(rtts.mean())}
+            "rtt_p90_us": float(np.percentile(rtts, 90)), "rtt_p99_us": float(np.percentile(rtts, 99)),
+            "rtt_p999_us": float(np.percentile(rtts, 99.9)), "rtt_max_us": float(rtts.max()),
+            "rtt_mean_us": float(rtts.mean()), "samples_us": [round(float(x), 1) for x in rtts]}
 
 
 def main(argv: list[str] | None = None) -> int:
