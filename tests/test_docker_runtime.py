@@ -1,0 +1,367 @@
+"""The docker runtime for real: hosts are containers of the worker image, joined by the same veths, bridges,
+routes and corruption engines as namespace hosts. Needs a Docker engine (`containers/ensure-docker.sh`, which
+`make test` runs); the worker image is built once by the session fixture if missing (~3-4 min the first time
+on a machine without a registry, seconds afterwards).
+
+Every container these tests make carries testbed.topology=NAME and is removed even when a test fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, leftovers, root_links, tb_cli, unique_name
+from test_topology_net import PORT, TCPCHECK, all_pairs_tcp
+
+pytestmark = pytest.mark.docker
+
+ENSURE = ROOT / "containers" / "ensure-docker.sh"
+
+
+# -- fixtures ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    from testbed.runtime import docker as drt
+    from testbed.runtime.base import RuntimeUnavailable
+
+    try:
+        return drt.client()
+    except RuntimeUnavailable as e:
+        pytest.skip(f"no Docker engine reachable: {e}")
+
+
+@pytest.fixture(scope="session")
+def worker_image(docker_client):
+    """The worker image, in step with this checkout's testbed package: built if missing (minutes, once);
+    otherwise refreshed, which takes ~1 s when nothing changed and a few seconds after a code change."""
+    from testbed.runtime import image
+
+    t = time.monotonic()
+    info = image.build_worker(log=lambda m: print(f"[image] {m}", file=sys.stderr, flush=True))
+    print(f"worker image {info['tag']} {info['id'][:19]} ready in {time.monotonic() - t:.1f}s", file=sys.stderr)
+    return info
+
+
+def containers_of(client, name: str) -> list:
+    return client.containers.list(all=True, filters={"label": f"testbed.topology={name}"})
+
+
+def nothing_left(client, name: str) -> dict:
+    left = leftovers(name)
+    ctrs = [c.name for c in containers_of(client, name)]
+    if ctrs:
+        left["containers"] = ctrs
+    return left
+
+
+@contextmanager
+def running_docker(client, topology):
+    """Bring a topology up on the docker runtime; always tear it down, then check nothing is left."""
+    from testbed.net import Testbed, teardown
+
+    tb = Testbed(topology, runtime="docker")
+    try:
+        tb.up()
+        yield tb
+    finally:
+        teardown(topology.name, save_stats=False)
+        for c in containers_of(client, topology.name):  # belt and braces: never leave a container behind
+            c.remove(force=True)
+        left = nothing_left(client, topology.name)
+        assert not left, f"leftovers of {topology.name}: {left}"
+
+
+class InContainers:
+    """A Testbed as all_pairs_tcp() sees it, with the test's Python and tcpcheck.py mapped to the image's
+    python and a copy of tcpcheck.py in the shared work directory (mounted at the same path in every host)."""
+
+    def __init__(self, tb, script: str):
+        self.tb, self.script = tb, script
+        self.topo = tb.topo
+
+    def address(self, node: str) -> str:
+        return self.tb.address(node)
+
+    def popen(self, node, argv, env=None, **kw):
+        m = {sys.executable: "python3", TCPCHECK: self.script}
+        return self.tb.popen(node, [m.get(a, a) for a in argv], env, **kw)
+
+
+@pytest.fixture
+def shared_tcpcheck():
+    from testbed.runtime.docker import WORK_DIR
+
+    d = WORK_DIR / f"test-{os.getpid()}-{time.monotonic_ns()}"
+    d.mkdir(parents=True)
+    shutil.copy(TCPCHECK, d / "tcpcheck.py")
+    yield str(d / "tcpcheck.py")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _rx_bytes(tb, host: str, iface: str) -> int:
+    return int(tb.run(host, ["cat", f"/sys/class/net/{iface}/statistics/rx_bytes"], check=True).stdout)
+
+
+# -- tests ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("file", ["pair.yaml", "star8.yaml"])
+def test_tcp_crosses_every_link_between_containers(docker_client, worker_image, load_topology, shared_tcpcheck, file):
+    topo = load_topology(file)
+    t = time.monotonic()
+    with running_docker(docker_client, topo) as tb:
+        print(f"{file}: up on docker in {time.monotonic() - t:.2f}s", file=sys.stderr)
+        for h in topo.hosts:
+            a = docker_client.api.inspect_container(tb.host(h).container_id)
+            hc = a["HostConfig"]
+            assert a["Name"] == f"/tb.{topo.name}.{h}" and a["Config"]["Hostname"] == h
+            assert a["Config"]["Labels"]["testbed.topology"] == topo.name
+            assert a["Config"]["Labels"]["testbed.node"] == h
+            assert hc["NetworkMode"] == "none" and hc["CapAdd"] == ["NET_ADMIN"] and not hc["Privileged"]
+            assert hc["Init"] is True
+            assert tb.host(h).netns == f"/proc/{a['State']['Pid']}/ns/net"
+        before = {(h, i.iface): _rx_bytes(tb, h, i.iface) for h in topo.hosts for i in topo.plan.interfaces[h]}
+        all_pairs_tcp(InContainers(tb, shared_tcpcheck))
+        for (h, iface), b in before.items():
+            assert _rx_bytes(tb, h, iface) - b > 200_000, f"{h}:{iface} carried no data"
+        # Names resolve inside the containers (the topology's hosts file).
+        other = topo.hosts[-1]
+        r = tb.run(topo.hosts[0], ["ping", "-c1", "-W2", other], check=True)
+        assert tb.address(other) in r.stdout
+
+
+def test_exec_passes_output_exit_code_and_signals(docker_client, worker_image, load_topology):
+    topo = load_topology("pair.yaml")
+    with running_docker(docker_client, topo) as tb:
+        r = tb_cli("exec", "--topo", topo.name, "h1", "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+        assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
+        r = tb_cli("exec", "--topo", topo.name, "h2", "--", "hostname")
+        assert (r.returncode, r.stdout.strip()) == (0, "h2")
+        r = tb_cli("exec", "--topo", topo.name, "h1", "--", "ip", "-o", "-4", "addr", "show", "eth1")
+        assert "10.0.0.1/24" in r.stdout
+        r = tb_cli("exec", "--topo", topo.name, "h9", "--", "true")
+        assert r.returncode == 2 and "no host 'h9'" in r.stderr
+        # stdin passes through; the environment given reaches the command, host-only variables do not.
+        r = subprocess.run(tb.runtime.exec_argv(tb.host("h1"), ["sh", "-c", "cat; echo $FOO; echo $VIRTUAL_ENV"],
+                                                {"FOO": "bar", "VIRTUAL_ENV": "/work/main/.venv"}),
+                           input="in\n", capture_output=True, text=True, timeout=30)
+        assert (r.returncode, r.stdout) == (0, "in\nbar\n/opt/venv\n")  # the image's own
+        # kill() of a popen'd command stops the command inside the container, not just the docker client.
+        p = tb.popen("h1", ["sleep", "600"])
+        time.sleep(0.3)
+        inside = p.inside_pids()
+        assert inside, "the command is not running in the container"
+        p.kill()
+        assert p.wait(timeout=10) != 0
+        time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in inside), "sleep survived kill()"
+        # terminate(): the command gets SIGTERM and its exit status comes back through the client.
+        p = tb.popen("h2", ["sh", "-c", "trap 'exit 7' TERM; sleep 600 & wait"])
+        time.sleep(0.3)
+        p.terminate()
+        assert p.wait(timeout=10) == 7
+
+
+def test_limits_env_and_mounts(docker_client, worker_image, tmp_path):
+    from testbed.runtime.docker import WORK_DIR
+    from testbed.topo import Topology
+    from testbed.units import parse_size
+
+    name = unique_name("limits")
+    f = tmp_path / "limits.yaml"
+    f.write_text(f"""name: {name}
+runtime: docker
+topology:
+  nodes:
+    a: {{cpus: 0.5, memory: 256m, env: {{FOO: bar}}}}
+    b: {{}}
+  links:
+    - endpoints: [a:eth1, b:eth1]
+""")
+    topo = Topology.load(f)
+    MEM = topo.nodes["a"].memory
+    assert MEM == parse_size("256m")
+    with running_docker(docker_client, topo) as tb:
+        hc = docker_client.api.inspect_container(tb.host("a").container_id)["HostConfig"]
+        assert hc["NanoCpus"] == 500_000_000 and hc["Memory"] == MEM
+        hb = docker_client.api.inspect_container(tb.host("b").container_id)["HostConfig"]
+        assert hb["NanoCpus"] == 0 and hb["Memory"] == 0
+        # The limits are the cgroup the exec'd commands run in (cgroup v1 or v2).
+        probe = ("if [ -f /sys/fs/cgroup/cpu.max ]; then cat /sys/fs/cgroup/cpu.max /sys/fs/cgroup/memory.max; "
+                 "else echo $(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us) $(cat /sys/fs/cgroup/cpu/cpu.cfs_period_us); "
+                 "cat /sys/fs/cgroup/memory/memory.limit_in_bytes; fi")
+        out = tb.run("a", ["sh", "-c", probe], check=True).stdout.split()
+        quota, period, mem = int(out[0]), int(out[1]), int(out[2])
+        assert quota / period == 0.5 and mem == MEM
+        assert tb.run("a", ["printenv", "FOO"], check=True).stdout == "bar\n"
+        # The shared work directory is the same path inside every host and outside.
+        mark = WORK_DIR / f"{name}.mark"
+        try:
+            tb.run("a", ["sh", "-c", f"echo from-a > {mark}"], check=True)
+            assert mark.read_text() == "from-a\n"
+            assert tb.run("b", ["cat", str(mark)], check=True).stdout == "from-a\n"
+            assert tb.run("b", ["pwd"], check=True).stdout.strip() == str(WORK_DIR)
+        finally:
+            mark.unlink(missing_ok=True)
+        cache = tb.run("a", ["printenv", "TESTBED_CACHE"], check=True).stdout.strip()
+        assert cache and os.path.isdir(cache) and tb.run("a", ["test", "-d", cache]).returncode == 0
+
+
+def test_down_leaves_nothing(docker_client, worker_image, load_topology):
+    topo = load_topology("star8.yaml")
+    links_before = root_links()
+    t = time.monotonic()
+    r = tb_cli("up", str(ROOT / "topologies/star8.yaml"), "--name", topo.name, "--runtime", "docker")
+    up_s = time.monotonic() - t
+    sleeper = outsider = None
+    try:
+        assert r.returncode == 0, r.stderr
+        assert "h8" in r.stdout and "docker" in r.stdout
+        assert len(containers_of(docker_client, topo.name)) == 8
+        sleeper = subprocess.Popen([*TB, "exec", "--topo", topo.name, "h3", "--", "sleep", "600"])
+        # a process that entered a container's namespace from the host keeps it (and its veths) alive: down
+        # must kill it too
+        netns = json.loads(tb_cli("status", "--topo", topo.name, "--json").stdout)[0]["hosts"]["h5"]["netns"]
+        outsider = subprocess.Popen(["nsenter", f"--net={netns}", "--", "sleep", "600"])
+        time.sleep(0.5)
+        status = json.loads(tb_cli("status", "--topo", topo.name, "--json").stdout)[0]
+        assert status["healthy"] and status["runtime"] == "docker" and len(status["hosts"]) == 8
+        assert leftovers(topo.name)["netns"]  # the switch and management namespaces
+    finally:
+        t = time.monotonic()
+        r = tb_cli("down", topo.name)
+        down_s = time.monotonic() - t
+        for c in containers_of(docker_client, topo.name):
+            c.remove(force=True)
+    print(f"star8 on docker: up {up_s:.2f}s, down {down_s:.2f}s (CLI, including Python start)", file=sys.stderr)
+    assert r.returncode == 0, r.stderr
+    sleeper.wait(timeout=10)
+    assert outsider.wait(timeout=10) == -signal.SIGKILL
+    assert not nothing_left(docker_client, topo.name)
+    assert root_links() == links_before
+    assert tb_cli("status", "--topo", topo.name).returncode == 2
+
+
+TB = [sys.executable, "-m", "testbed"]
+
+
+def test_down_all_after_sigkill_of_up(docker_client, worker_image):
+    names = []
+    try:
+        for i, kill_after in enumerate(("partial", "complete")):
+            name = unique_name(f"dkill{i}")
+            names.append(name)
+            p = subprocess.Popen([*TB, "up", str(ROOT / "topologies/star8.yaml"), "--name", name, "--runtime", "docker"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+            deadline = time.monotonic() + 60
+            if kill_after == "partial":
+                while len(containers_of(docker_client, name)) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                p.kill()
+            else:
+                assert p.wait(timeout=60) == 0, p.stderr.read()
+            p.wait()
+            assert containers_of(docker_client, name), "nothing was created before the kill"
+        r = tb_cli("down", "--all")
+        assert r.returncode == 0, r.stderr
+        for name in names:
+            assert not nothing_left(docker_client, name), nothing_left(docker_client, name)
+    finally:
+        for name in names:
+            tb_cli("down", name)
+            for c in containers_of(docker_client, name):
+                c.remove(force=True)
+
+
+def test_no_engine_reachable_is_a_clear_error(tmp_path):
+    name = unique_name("noeng")
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    r = tb_cli("up", str(ROOT / "topologies/pair.yaml"), "--name", name, "--runtime", "docker", env=env)
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "no Docker engine is reachable" in r.stderr and "unix:///nonexistent/docker.sock" in r.stderr
+    assert "ensure-docker.sh" in r.stderr and "DOCKER_HOST" in r.stderr and "docker.io" in r.stderr
+    assert not leftovers(name)
+    # `doctor` says the same, without failing on it (docker is optional).
+    r = tb_cli("doctor", "--json", env=env)
+    docker_check = [c for c in json.loads(r.stdout) if c["name"] == "docker"][0]
+    assert not docker_check["ok"] and "ensure-docker.sh" in docker_check["detail"]
+
+
+def test_engine_corrupts_a_container_link(docker_client, worker_image, load_topology, shared_tcpcheck):
+    """The corruption engine runs on the host and enters the container's namespace: nothing in the image."""
+    pytest.importorskip("testbed.engine.manager")
+    topo = load_topology("pair.yaml").with_overrides(ber=1e-4, scope="payload", checksum="fix", seed=1)
+    with running_docker(docker_client, topo) as tb:
+        srv = tb.popen("h2", ["python3", shared_tcpcheck, "serve", str(PORT)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "READY"
+            r = tb.run("h1", ["python3", shared_tcpcheck, "send", "2000000", f"{tb.address('h2')}:{PORT}"],
+                       timeout=60)
+        finally:
+            srv.kill()
+            srv.wait()
+        stats = {s["direction"]: s for s in tb.stats()}
+        assert stats["h1->h2"]["bits_flipped"] > 0, stats
+        assert "FAIL" in r.stdout  # checksums fixed: the flipped bits reach the application
+
+
+def test_ddp_training_across_containers(docker_client, worker_image, load_topology):
+    """GPT-2 (tiny) DDP over gloo between two containers: rendezvous on mgmt0, gradients on eth1. Shows how a
+    worker is launched in a container: `python -m testbed.train.worker` of the image, only the distributed
+    variables passed in, the run directory in the shared work directory."""
+    launch = pytest.importorskip("testbed.train.launch")
+    from testbed.runtime.docker import WORK_DIR
+    from testbed.train import common
+
+    r = subprocess.run([sys.executable, "-m", "testbed.train.data", "--model", "tiny"], capture_output=True,
+                       text=True, timeout=600)  # on the host: containers have no route to the package index
+    assert r.returncode == 0, r.stderr
+    topo = load_topology("pair.yaml")
+    run_dir = WORK_DIR / f"test-ddp-{topo.name}"
+    with running_docker(docker_client, topo) as tb:
+        hosts = topo.hosts
+
+        def spawn(rank, argv, env):
+            keep = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TESTBED_MGMT_IFNAME", "RANK", "WORLD_SIZE",
+                    "PYTHONUNBUFFERED")
+            with open(common.log_path(run_dir, rank), "wb") as log:
+                return tb.popen(hosts[rank], ["python", *argv[1:]], {k: env[k] for k in keep if k in env},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def env_for_rank(rank):
+            return {"MASTER_ADDR": tb.mgmt_address(hosts[0]), "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": "eth1",
+                    "TESTBED_MGMT_IFNAME": "mgmt0"}
+
+        try:
+            s = launch.run_workers(spawn, 2, ["--mode", "ddp", "--model", "tiny", "--steps", "3"], run_dir,
+                                   env_for_rank, timeout_s=300, stall_timeout_s=120)
+            logs = "".join(p.read_text()[-1500:] for p in run_dir.glob("worker-rank*.log"))
+            assert s["status"] == "ok", (s, logs)
+            assert s["steps_completed"] == 3
+            assert _rx_bytes(tb, "h2", "eth1") > 100_000  # the gradients went over the data link
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_image_info_and_digest(worker_image):
+    from testbed import __version__
+    from testbed.runtime.image import image_digest
+
+    assert image_digest(worker_image["tag"]) == worker_image["id"] and worker_image["id"].startswith("sha256:")
+    r = tb_cli("image", "info", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["id"] == worker_image["id"]
+    assert info["labels"]["testbed.image"] == "worker" and info["labels"]["testbed.version"] == __version__
+    assert image_digest("testbed-no-such-image:never") is None
