@@ -11,7 +11,7 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod
 PYTEST_ARGS ?=
 
-.PHONY: all deps system-deps python-deps demo test test-fast bench clean-testbed help
+.PHONY: all deps system-deps python-deps docker-engine image demo test bench clean-testbed help
 
 help:
 	@echo "make demo   install what is missing, then run the main job"
@@ -38,11 +38,19 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q $(PIP_EXTRA) -c constraints.txt -e '.[test]'
 	@touch $@
 
+# A Docker engine for the docker runtime (and its tests): Debian's docker.io and a dockerd that never touches
+# the host's network (containers/ensure-docker.sh). Without one, the docker tests are skipped with a reason.
+docker-engine:
+	@containers/ensure-docker.sh >/dev/null || echo "warning: no Docker engine: docker-runtime tests will be skipped" >&2
+
+image: deps docker-engine
+	$(VENV)/bin/testbed image build
+
 demo: deps
 	$(VENV)/bin/testbed doctor || true
 	$(PY) -m testbed.demo
 
-test: deps
+test: deps docker-engine
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 bench: deps

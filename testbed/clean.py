@@ -135,9 +135,15 @@ def leftovers(topology: str | None = None) -> dict:
         etc = sorted(n for n in os.listdir("/etc/netns") if n.startswith(want))
     except FileNotFoundError:
         etc = []
+    try:
+        from .runtime.docker import DockerRuntime
+        containers = DockerRuntime().list(topology)
+    except Exception:  # no docker SDK or no engine: then no container of ours can exist
+        containers = []
     return {
         "netns": nsutil.list_testbed_netns(topology),
         "etc_netns": etc,
+        "containers": containers,
         "engines": orphan_engine_pids(topology),
         "state": [n for n in running_names() if topology in (None, n)],
     }

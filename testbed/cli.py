@@ -107,8 +107,8 @@ def cmd_down(args) -> int:
     rc = 0
     for name in args.names:
         if name not in running_names():
-            from . import nsutil
-            if not nsutil.list_testbed_netns(name):
+            from .clean import leftovers
+            if not any(leftovers(name).values()):
                 print(f"no topology named {name!r} is up", file=sys.stderr)
                 rc = EXIT_INPUT
                 continue
@@ -127,7 +127,7 @@ def topology_status(name: str) -> dict:
     d = tb.state.data
     hosts = {}
     for h, hd in d.get("hosts", {}).items():
-        alive = os.path.exists(hd.get("netns", "")) if hd.get("netns") else False
+        alive = tb.runtime.host_alive(tb.host(h)) if hd.get("netns") else False
         hosts[h] = {"netns": hd.get("netns"), "present": alive, "container": hd.get("container_id")}
     engines = []
     for key, rec in d.get("engines", {}).items():
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"testbed: {e}", file=sys.stderr)
         return e.code
-    except (FileExistsError, PermissionError) as e:
+    except (FileExistsError, PermissionError, RuntimeError, OSError) as e:
         print(f"testbed: {e}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:

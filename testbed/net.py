@@ -230,10 +230,21 @@ class Testbed:
         return self.runtime.popen(self.host(node), argv, env, **kw)
 
     def run(self, node: str, argv: list[str], env: dict | None = None, check: bool = False,
-            timeout: float | None = None, **kw) -> subprocess.CompletedProcess:
-        kw.setdefault("capture_output", True)
-        kw.setdefault("text", True)
-        return subprocess.run(self.runtime.exec_argv(self.host(node), argv, env), check=check, timeout=timeout, **kw)
+            timeout: float | None = None, input: str | None = None, text: bool = True) -> subprocess.CompletedProcess:
+        """Run to completion inside `node`. On timeout the command itself is killed (in a container too, not
+        only the client that started it)."""
+        p = self.popen(node, argv, env, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text)
+        try:
+            out, err = p.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+        r = subprocess.CompletedProcess(argv, p.returncode, out, err)
+        if check:
+            r.check_returncode()
+        return r
 
     # -- teardown ------------------------------------------------------------------------------------------
 

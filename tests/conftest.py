@@ -39,7 +39,8 @@ def root_links() -> set[str]:
 
 @contextmanager
 def running(topology, **kw):
-    """Bring a topology up through the Python API; always tear it down and check nothing is left."""
+    """Bring a topology up through the Python API; always tear it down and check nothing is left
+    (namespaces, engines, state, per-namespace /etc files, containers)."""
     from testbed.net import Testbed, teardown
 
     tb = Testbed(topology, **kw)
@@ -50,6 +51,42 @@ def running(topology, **kw):
         teardown(topology.name, save_stats=False)
         left = leftovers(topology.name)
         assert not left, f"leftovers of {topology.name}: {left}"
+
+
+# -- runtimes --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    from testbed.runtime import docker as drt
+    from testbed.runtime.base import RuntimeUnavailable
+
+    try:
+        return drt.client()
+    except RuntimeUnavailable as e:
+        pytest.skip(f"no Docker engine reachable ({e}); `make test` starts one with containers/ensure-docker.sh")
+
+
+@pytest.fixture(scope="session")
+def worker_image(docker_client):
+    """The worker image, in step with this checkout's testbed package: built if missing (minutes, once);
+    otherwise refreshed, which takes ~1 s when nothing changed and a few seconds after a code change."""
+    import time
+
+    from testbed.runtime import image
+
+    t = time.monotonic()
+    info = image.build_worker(log=lambda m: print(f"[image] {m}", file=sys.stderr, flush=True))
+    print(f"worker image {info['tag']} {info['id'][:19]} ready in {time.monotonic() - t:.1f}s", file=sys.stderr)
+    return info
+
+
+@pytest.fixture(params=["netns", pytest.param("docker", marks=pytest.mark.docker)])
+def runtime(request) -> str:
+    """Runs a test once with namespace hosts and once with container hosts."""
+    if request.param == "docker":
+        request.getfixturevalue("worker_image")
+    return request.param
 
 
 @pytest.fixture

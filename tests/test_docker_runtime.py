@@ -15,12 +15,10 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, leftovers, root_links, tb_cli, unique_name
-from test_topology_net import PORT, TCPCHECK, all_pairs_tcp
+from conftest import ROOT, leftovers, tb_cli, unique_name
 
 pytestmark = pytest.mark.docker
 
@@ -28,29 +26,6 @@ ENSURE = ROOT / "containers" / "ensure-docker.sh"
 
 
 # -- fixtures ------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def docker_client():
-    from testbed.runtime import docker as drt
-    from testbed.runtime.base import RuntimeUnavailable
-
-    try:
-        return drt.client()
-    except RuntimeUnavailable as e:
-        pytest.skip(f"no Docker engine reachable: {e}")
-
-
-@pytest.fixture(scope="session")
-def worker_image(docker_client):
-    """The worker image, in step with this checkout's testbed package: built if missing (minutes, once);
-    otherwise refreshed, which takes ~1 s when nothing changed and a few seconds after a code change."""
-    from testbed.runtime import image
-
-    t = time.monotonic()
-    info = image.build_worker(log=lambda m: print(f"[image] {m}", file=sys.stderr, flush=True))
-    print(f"worker image {info['tag']} {info['id'][:19]} ready in {time.monotonic() - t:.1f}s", file=sys.stderr)
-    return info
 
 
 def containers_of(client, name: str) -> list:
@@ -82,33 +57,6 @@ def running_docker(client, topology):
         assert not left, f"leftovers of {topology.name}: {left}"
 
 
-class InContainers:
-    """A Testbed as all_pairs_tcp() sees it, with the test's Python and tcpcheck.py mapped to the image's
-    python and a copy of tcpcheck.py in the shared work directory (mounted at the same path in every host)."""
-
-    def __init__(self, tb, script: str):
-        self.tb, self.script = tb, script
-        self.topo = tb.topo
-
-    def address(self, node: str) -> str:
-        return self.tb.address(node)
-
-    def popen(self, node, argv, env=None, **kw):
-        m = {sys.executable: "python3", TCPCHECK: self.script}
-        return self.tb.popen(node, [m.get(a, a) for a in argv], env, **kw)
-
-
-@pytest.fixture
-def shared_tcpcheck():
-    from testbed.runtime.docker import WORK_DIR
-
-    d = WORK_DIR / f"test-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir(parents=True)
-    shutil.copy(TCPCHECK, d / "tcpcheck.py")
-    yield str(d / "tcpcheck.py")
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _rx_bytes(tb, host: str, iface: str) -> int:
     return int(tb.run(host, ["cat", f"/sys/class/net/{iface}/statistics/rx_bytes"], check=True).stdout)
 
@@ -116,12 +64,12 @@ def _rx_bytes(tb, host: str, iface: str) -> int:
 # -- tests ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("file", ["pair.yaml", "star8.yaml"])
-def test_tcp_crosses_every_link_between_containers(docker_client, worker_image, load_topology, shared_tcpcheck, file):
-    topo = load_topology(file)
-    t = time.monotonic()
+def test_container_settings(docker_client, worker_image, load_topology):
+    """Containers as the issue asks: no network of their own, NET_ADMIN only, init, labels, hostnames; names
+    resolve inside (the topology's hosts file). Traffic across every link is tested for both runtimes in
+    test_topology_net.py."""
+    topo = load_topology("pair.yaml")
     with running_docker(docker_client, topo) as tb:
-        print(f"{file}: up on docker in {time.monotonic() - t:.2f}s", file=sys.stderr)
         for h in topo.hosts:
             a = docker_client.api.inspect_container(tb.host(h).container_id)
             hc = a["HostConfig"]
@@ -131,27 +79,14 @@ def test_tcp_crosses_every_link_between_containers(docker_client, worker_image, 
             assert hc["NetworkMode"] == "none" and hc["CapAdd"] == ["NET_ADMIN"] and not hc["Privileged"]
             assert hc["Init"] is True
             assert tb.host(h).netns == f"/proc/{a['State']['Pid']}/ns/net"
-        before = {(h, i.iface): _rx_bytes(tb, h, i.iface) for h in topo.hosts for i in topo.plan.interfaces[h]}
-        all_pairs_tcp(InContainers(tb, shared_tcpcheck))
-        for (h, iface), b in before.items():
-            assert _rx_bytes(tb, h, iface) - b > 200_000, f"{h}:{iface} carried no data"
-        # Names resolve inside the containers (the topology's hosts file).
         other = topo.hosts[-1]
         r = tb.run(topo.hosts[0], ["ping", "-c1", "-W2", other], check=True)
         assert tb.address(other) in r.stdout
 
 
-def test_exec_passes_output_exit_code_and_signals(docker_client, worker_image, load_topology):
+def test_exec_stdin_env_and_signals(docker_client, worker_image, load_topology):
     topo = load_topology("pair.yaml")
     with running_docker(docker_client, topo) as tb:
-        r = tb_cli("exec", "--topo", topo.name, "h1", "--", "sh", "-c", "echo out; echo err >&2; exit 3")
-        assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
-        r = tb_cli("exec", "--topo", topo.name, "h2", "--", "hostname")
-        assert (r.returncode, r.stdout.strip()) == (0, "h2")
-        r = tb_cli("exec", "--topo", topo.name, "h1", "--", "ip", "-o", "-4", "addr", "show", "eth1")
-        assert "10.0.0.1/24" in r.stdout
-        r = tb_cli("exec", "--topo", topo.name, "h9", "--", "true")
-        assert r.returncode == 2 and "no host 'h9'" in r.stderr
         # stdin passes through; the environment given reaches the command, host-only variables do not.
         r = subprocess.run(tb.runtime.exec_argv(tb.host("h1"), ["sh", "-c", "cat; echo $FOO; echo $VIRTUAL_ENV"],
                                                 {"FOO": "bar", "VIRTUAL_ENV": "/work/main/.venv"}),
@@ -218,70 +153,27 @@ topology:
         assert cache and os.path.isdir(cache) and tb.run("a", ["test", "-d", cache]).returncode == 0
 
 
-def test_down_leaves_nothing(docker_client, worker_image, load_topology):
-    topo = load_topology("star8.yaml")
-    links_before = root_links()
-    t = time.monotonic()
-    r = tb_cli("up", str(ROOT / "topologies/star8.yaml"), "--name", topo.name, "--runtime", "docker")
-    up_s = time.monotonic() - t
-    sleeper = outsider = None
+def test_down_kills_processes_that_entered_a_container(docker_client, worker_image, load_topology):
+    """A process that entered a container's namespace from the host keeps it (and its veths) alive: down must
+    kill it too. (Down leaving nothing is tested for both runtimes in test_topology_net.py.)"""
+    topo = load_topology("pair.yaml")
+    r = tb_cli("up", str(ROOT / "topologies/pair.yaml"), "--name", topo.name, "--runtime", "docker")
+    outsider = None
     try:
         assert r.returncode == 0, r.stderr
-        assert "h8" in r.stdout and "docker" in r.stdout
-        assert len(containers_of(docker_client, topo.name)) == 8
-        sleeper = subprocess.Popen([*TB, "exec", "--topo", topo.name, "h3", "--", "sleep", "600"])
-        # a process that entered a container's namespace from the host keeps it (and its veths) alive: down
-        # must kill it too
-        netns = json.loads(tb_cli("status", "--topo", topo.name, "--json").stdout)[0]["hosts"]["h5"]["netns"]
+        netns = json.loads(tb_cli("status", "--topo", topo.name, "--json").stdout)[0]["hosts"]["h2"]["netns"]
         outsider = subprocess.Popen(["nsenter", f"--net={netns}", "--", "sleep", "600"])
-        time.sleep(0.5)
-        status = json.loads(tb_cli("status", "--topo", topo.name, "--json").stdout)[0]
-        assert status["healthy"] and status["runtime"] == "docker" and len(status["hosts"]) == 8
-        assert leftovers(topo.name)["netns"]  # the switch and management namespaces
+        time.sleep(0.3)
     finally:
-        t = time.monotonic()
         r = tb_cli("down", topo.name)
-        down_s = time.monotonic() - t
         for c in containers_of(docker_client, topo.name):
             c.remove(force=True)
-    print(f"star8 on docker: up {up_s:.2f}s, down {down_s:.2f}s (CLI, including Python start)", file=sys.stderr)
     assert r.returncode == 0, r.stderr
-    sleeper.wait(timeout=10)
     assert outsider.wait(timeout=10) == -signal.SIGKILL
     assert not nothing_left(docker_client, topo.name)
-    assert root_links() == links_before
-    assert tb_cli("status", "--topo", topo.name).returncode == 2
 
 
 TB = [sys.executable, "-m", "testbed"]
-
-
-def test_down_all_after_sigkill_of_up(docker_client, worker_image):
-    names = []
-    try:
-        for i, kill_after in enumerate(("partial", "complete")):
-            name = unique_name(f"dkill{i}")
-            names.append(name)
-            p = subprocess.Popen([*TB, "up", str(ROOT / "topologies/star8.yaml"), "--name", name, "--runtime", "docker"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-            deadline = time.monotonic() + 60
-            if kill_after == "partial":
-                while len(containers_of(docker_client, name)) < 3 and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                p.kill()
-            else:
-                assert p.wait(timeout=60) == 0, p.stderr.read()
-            p.wait()
-            assert containers_of(docker_client, name), "nothing was created before the kill"
-        r = tb_cli("down", "--all")
-        assert r.returncode == 0, r.stderr
-        for name in names:
-            assert not nothing_left(docker_client, name), nothing_left(docker_client, name)
-    finally:
-        for name in names:
-            tb_cli("down", name)
-            for c in containers_of(docker_client, name):
-                c.remove(force=True)
 
 
 def test_no_engine_reachable_is_a_clear_error(tmp_path):
@@ -296,24 +188,6 @@ def test_no_engine_reachable_is_a_clear_error(tmp_path):
     r = tb_cli("doctor", "--json", env=env)
     docker_check = [c for c in json.loads(r.stdout) if c["name"] == "docker"][0]
     assert not docker_check["ok"] and "ensure-docker.sh" in docker_check["detail"]
-
-
-def test_engine_corrupts_a_container_link(docker_client, worker_image, load_topology, shared_tcpcheck):
-    """The corruption engine runs on the host and enters the container's namespace: nothing in the image."""
-    pytest.importorskip("testbed.engine.manager")
-    topo = load_topology("pair.yaml").with_overrides(ber=1e-4, scope="payload", checksum="fix", seed=1)
-    with running_docker(docker_client, topo) as tb:
-        srv = tb.popen("h2", ["python3", shared_tcpcheck, "serve", str(PORT)], stdout=subprocess.PIPE, text=True)
-        try:
-            assert srv.stdout.readline().strip() == "READY"
-            r = tb.run("h1", ["python3", shared_tcpcheck, "send", "2000000", f"{tb.address('h2')}:{PORT}"],
-                       timeout=60)
-        finally:
-            srv.kill()
-            srv.wait()
-        stats = {s["direction"]: s for s in tb.stats()}
-        assert stats["h1->h2"]["bits_flipped"] > 0, stats
-        assert "FAIL" in r.stdout  # checksums fixed: the flipped bits reach the application
 
 
 def test_ddp_training_across_containers(docker_client, worker_image, load_topology):

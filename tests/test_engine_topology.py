@@ -7,10 +7,7 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-
-import pytest
 
 from conftest import leftovers, running, tb_cli, unique_name
 from engine_fixtures import read_json_line
@@ -26,7 +23,7 @@ topology:
 
 
 def probe(tb, host: str, *args) -> subprocess.Popen:
-    return tb.popen(host, [sys.executable, "-m", "testbed.engine.probe", *map(str, args)],
+    return tb.popen(host, [tb.runtime.python, "-m", "testbed.engine.probe", *map(str, args)],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
 
 
@@ -52,14 +49,14 @@ def stats_by_direction(name: str) -> dict:
     return {s["direction"]: s for s in json.loads(r.stdout)}
 
 
-def test_cli_up_stats_down_with_corruption(tmp_path):
+def test_cli_up_stats_down_with_corruption(tmp_path, runtime):
     from testbed.net import Testbed
 
     name = unique_name("corr")
     f = tmp_path / "pair.yaml"
     f.write_text(PAIR.format(name=name, ber="1e-5"))
     out = tmp_path / "final"
-    r = tb_cli("up", str(f), "--out", str(out))
+    r = tb_cli("up", str(f), "--out", str(out), "--runtime", runtime)
     assert r.returncode == 0, r.stderr
     try:
         assert "ber 1e-05 payload/fix" in r.stdout
@@ -82,13 +79,13 @@ def test_cli_up_stats_down_with_corruption(tmp_path):
     assert not leftovers(name)
 
 
-def test_link_set_changes_ber_mid_transfer(tmp_path):
+def test_link_set_changes_ber_mid_transfer(tmp_path, runtime):
     from testbed.net import Testbed
 
     name = unique_name("lset")
     f = tmp_path / "pair.yaml"
     f.write_text(PAIR.format(name=name, ber="0"))
-    assert tb_cli("up", str(f)).returncode == 0
+    assert tb_cli("up", str(f), "--runtime", runtime).returncode == 0
     try:
         tb = Testbed.attach(name)
         tx, rx = transfer(tb, "h1", "h2", 16_000_000, pause_at=8_000_000)
@@ -119,13 +116,13 @@ def test_link_set_changes_ber_mid_transfer(tmp_path):
     assert not leftovers(name)
 
 
-def test_dead_engine_is_reported(tmp_path):
+def test_dead_engine_is_reported(tmp_path, runtime):
     from testbed.net import Testbed
 
     name = unique_name("dead")
     f = tmp_path / "pair.yaml"
     f.write_text(PAIR.format(name=name, ber="1e-6"))
-    assert tb_cli("up", str(f)).returncode == 0
+    assert tb_cli("up", str(f), "--runtime", runtime).returncode == 0
     try:
         assert tb_cli("status", "--topo", name).returncode == 0
         tb = Testbed.attach(name)
@@ -146,7 +143,7 @@ def test_dead_engine_is_reported(tmp_path):
     assert not leftovers(name)
 
 
-def test_switch_direction_corrupts_at_receiving_host(load_topology, tmp_path):
+def test_switch_direction_corrupts_at_receiving_host(runtime):
     from testbed.topo import Topology
 
     name = unique_name("swc")
@@ -155,7 +152,7 @@ def test_switch_direction_corrupts_at_receiving_host(load_topology, tmp_path):
         "links": [{"endpoints": ["h1:eth1", "s1:p1"]},
                   {"endpoints": ["h2:eth1", "s1:p2"], "directions": {"s1->h2": {"ber": 1e-5}}},
                   {"endpoints": ["h3:eth1", "s1:p3"]}]}})
-    with running(topo) as tb:
+    with running(topo, runtime=runtime) as tb:
         (key, handle), = tb.engine_handles().items()
         assert key == "h2-s1/s1->h2"
         spec = tb.state.data["engines"][key]["spec"]

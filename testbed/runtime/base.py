@@ -34,6 +34,8 @@ class Host:
 
 class Runtime(ABC):
     name: str = ""
+    # The Python that runs the testbed's own programs (workers, probes) inside this runtime's hosts.
+    python: str = "python3"
 
     def check(self) -> None:
         """Raise RuntimeUnavailable (with what to do) if this runtime cannot run here."""
@@ -48,6 +50,15 @@ class Runtime(ABC):
 
     def popen(self, host: Host, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
         return subprocess.Popen(self.exec_argv(host, argv, env), **kw)
+
+    def host_alive(self, host: Host) -> bool:
+        """Whether the host still exists (its network namespace is there)."""
+        import os
+        return os.path.exists(host.netns)
+
+    def shared_dir(self):
+        """A directory that the hosts see at the same path as this machine (None: the whole file system)."""
+        return None
 
     def set_hosts_file(self, host: Host, text: str) -> None:
         """Give the host an /etc/hosts naming every host of its topology (optional per runtime)."""

@@ -144,6 +144,18 @@ def _cli_prefix() -> list[str]:
 
 class DockerRuntime(Runtime):
     name = "docker"
+    python = "python3"  # the worker image's
+
+    def host_alive(self, host: Host) -> bool:
+        import docker
+        try:
+            ctr = self.client.containers.get(host.container_id)
+        except (docker.errors.NotFound, RuntimeUnavailable):
+            return False
+        return ctr.status == "running" and int(ctr.attrs["State"].get("Pid") or 0) == host.pid
+
+    def shared_dir(self):
+        return WORK_DIR
 
     def __init__(self):
         self._client = None

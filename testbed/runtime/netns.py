@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from .. import nsutil
@@ -16,6 +17,7 @@ ETC_NETNS = Path("/etc/netns")
 
 class NetnsRuntime(Runtime):
     name = "netns"
+    python = sys.executable  # hosts share this machine's file system
 
     def check(self) -> None:
         if os.geteuid() != 0:
