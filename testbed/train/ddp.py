@@ -112,12 +112,17 @@ class DDPTrainer:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # runs the comm hook once per bucket
         grad_norm = clip_or_measure(self.module.parameters(), a.grad_clip)
-        self.opt.step()
         loss_local = float(loss.detach())
-        # every rank reports the mean loss over ranks, agreed over the clean management network
-        t = torch.tensor([loss_local], dtype=torch.float64)
+        # Every rank reports the mean loss over ranks and whether any rank saw a non-finite loss or gradient,
+        # agreed over the clean management network, so that all replicas skip (or take) the update together.
+        bad = not (math.isfinite(grad_norm) and math.isfinite(loss_local))
+        t = torch.tensor([loss_local, float(bad)], dtype=torch.float64)
         self.mgmt.allreduce([t]).wait()
-        return {"loss": float(t) / self.world_size, "loss_local": loss_local, "grad_norm": grad_norm, **self.stats}
+        skipped = bool(t[1] > 0)
+        if not skipped:
+            self.opt.step()
+        return {"loss": float(t[0]) / self.world_size, "loss_local": loss_local, "grad_norm": grad_norm,
+                "skipped": skipped, **self.stats}
 
     def all_finite(self, value):
         """Whether `value` is finite on every rank (agreed over the management network), so that all ranks

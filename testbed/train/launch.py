@@ -196,6 +196,7 @@ def summarize_rows(rows, world_size):
                 if all(r.get("comm_time_s") is not None for r in by_step[s].values())]
         out["median_comm_time_s"] = statistics.median(comm) if comm else None
     out["nonfinite_received_total"] = sum(row.get("nonfinite_received") or 0 for row in rows)
+    out["skipped_steps"] = sum(1 for row in rows if row["rank"] == 0 and row.get("skipped"))
     corrupted = [row.get("corrupted_values") for row in rows]
     out["corrupted_values_total"] = sum(c for c in corrupted if c is not None) if any(
         c is not None for c in corrupted) else None

@@ -9,7 +9,7 @@ from transformers.masking_utils import create_causal_mask
 PRESETS = {
     "gpt2-124m": (12, 12, 768, 1024, 50257),  # GPT-2 small: 124,439,808 parameters (tied embeddings)
     "small": (4, 4, 128, 128, 2048),
-    "tiny": (2, 2, 64, 64, 512),
+    "tiny": (4, 2, 64, 64, 512),  # 4 layers: one block per stage on a 4-host chain
 }
 GPT2_124M_PARAMS = 124_439_808
 

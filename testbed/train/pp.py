@@ -44,7 +44,7 @@ def lm_loss(logits, target):
 
 
 class PPTrainer:
-    def __init__(self, model, args, data, rank, world_size, mgmt, debug):
+    def __init__(self, model, args, data, rank, world_size, mgmt, debug, eval_group=None):
         if args.batch_size % args.microbatches:
             raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --microbatches {args.microbatches}")
         self.args, self.data, self.rank, self.world_size = args, data, rank, world_size
@@ -62,6 +62,13 @@ class PPTrainer:
         self.stage = PipelineStage(self.module, rank, world_size, torch.device("cpu"),
                                    input_args=example_in, output_args=example_out)
         self.schedule = SCHEDULES[args.schedule](self.stage, args.microbatches, loss_fn=lm_loss)
+        # Evaluation runs the same stages over the management network (eval_group): it measures the model,
+        # not the link. Without such a group (tests on loopback) it shares the training pipeline.
+        self.eval_schedule = self.schedule
+        if eval_group is not None:
+            eval_stage = PipelineStage(self.module, rank, world_size, torch.device("cpu"), input_args=example_in,
+                                       output_args=example_out, group=eval_group)
+            self.eval_schedule = ScheduleGPipe(eval_stage, args.microbatches, loss_fn=lm_loss)
         self.opt = make_adamw(self.module.parameters(), args.lr)
         self.counting, self.step = False, 0
         self.stats = {}
@@ -124,14 +131,17 @@ class PPTrainer:
         sq = torch.tensor([sum(float(g.pow(2).sum()) for g in grads)], dtype=torch.float64)
         self.mgmt.allreduce([sq]).wait()
         grad_norm = float(sq.sqrt())
-        if a.grad_clip > 0:
-            # as clip_grad_norm_ does (so DDP and PP clip alike): a NaN norm turns every gradient into NaN
-            coef = torch.clamp(a.grad_clip / (sq.sqrt() + 1e-6), max=1.0).float()
-            for g in grads:
-                g.mul_(coef)
-        self.opt.step()
+        shared_loss = self._share_from_last(loss)
+        # The norm and the loss are the same on every stage, so all stages skip (or take) the update together.
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(shared_loss))
+        if not skipped:
+            if a.grad_clip > 0:
+                coef = torch.clamp(a.grad_clip / (sq.sqrt() + 1e-6), max=1.0).float()
+                for g in grads:
+                    g.mul_(coef)
+            self.opt.step()
         s = self.stats
-        return {"loss": self._share_from_last(loss), "loss_local": loss, "grad_norm": grad_norm,
+        return {"loss": shared_loss, "loss_local": loss, "grad_norm": grad_norm, "skipped": skipped,
                 "comm_time_s": comm, "nonfinite_received": s["nonfinite_activations"] + s["nonfinite_gradients"],
                 **s}
 
@@ -144,5 +154,5 @@ class PPTrainer:
         losses = []
         for i in range(a.eval_batches):
             x, y = get_eval_batch(self.data.val, a.batch_size, a.seq_len, i)
-            losses.append(self._run(self.schedule.eval, x, y))
+            losses.append(self._run(self.eval_schedule.eval, x, y))
         return self._share_from_last(sum(losses) / len(losses) if self.last else None)

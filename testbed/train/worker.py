@@ -57,6 +57,11 @@ def build_parser():
     p.add_argument("--threads", type=int, default=int(os.environ.get("TESTBED_TORCH_THREADS", "1")))
     p.add_argument("--fingerprint-every", type=int, default=1, help="sha256 of parameters every K steps (0: never)")
     p.add_argument("--fingerprint-sample", type=int, default=4096, help="parameter coordinates sampled per step")
+    p.add_argument("--nonfinite", choices=["skip", "stop"], default="skip",
+                   help="a step whose loss or gradient norm is non-finite: skip its update on every rank (as "
+                        "mixed-precision trainers do) or stop the run as diverged")
+    p.add_argument("--max-skips", type=int, default=10,
+                   help="consecutive skipped steps after which the run counts as diverged")
     p.add_argument("--save-final", action=argparse.BooleanOptionalAction, default=None,
                    help=f"save final-rank{{R}}.pt (default: below {SAVE_FINAL_MAX_PARAMS:,} parameters per rank)")
     # test hooks: simulate what the wire could do, on one rank, inside the process (no network needed)
@@ -109,6 +114,7 @@ class Worker:
         self.mgmt_ifname = os.environ.get("TESTBED_MGMT_IFNAME")
         self.run_dir = args.out
         self.mgmt = None
+        self.mgmt_group = None
         self.step = None
         self.t_start = time.time()
 
@@ -144,6 +150,19 @@ class Worker:
         opts._timeout = timeout
         opts._threads = 2
         self.mgmt = dist.ProcessGroupGloo(dist.PrefixStore("testbed-mgmt", store), self.rank, self.world_size, opts)
+        if self.args.mode == "pp":
+            # A registered group on the management interface for the pipeline's evaluation passes: eval measures
+            # the model, so its activations must not cross the corrupted link. torch reads GLOO_SOCKET_IFNAME
+            # when it constructs a gloo group, so point it at the management interface for this one group.
+            saved = os.environ.get("GLOO_SOCKET_IFNAME")
+            os.environ["GLOO_SOCKET_IFNAME"] = self.mgmt_ifname
+            try:
+                self.mgmt_group = dist.new_group(backend="gloo", timeout=timeout)
+            finally:
+                if saved is None:
+                    os.environ.pop("GLOO_SOCKET_IFNAME", None)
+                else:
+                    os.environ["GLOO_SOCKET_IFNAME"] = saved
 
     # ---- the run ----------------------------------------------------------------------------------------
 
@@ -171,7 +190,7 @@ class Worker:
         else:
             from testbed.train.pp import PPTrainer
 
-            trainer = PPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug)
+            trainer = PPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug, self.mgmt_group)
         del model
         named = trainer.named_parameters()
         n_params = sum(p.numel() for _, p in named)
@@ -182,6 +201,7 @@ class Worker:
         self.log(f"{a.mode} {a.model}: {n_params:,} parameters on this rank, {a.steps} steps, "
                  f"batch {a.batch_size} x {a.seq_len}")
 
+        skipped_in_a_row = 0
         for step in range(a.steps):
             self.step = step
             t0 = time.perf_counter()
@@ -202,8 +222,16 @@ class Worker:
                      + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
                      + f" nonfinite {m['nonfinite_received']} corrupted {m.get('corrupted_values')}"
                      + f" {step_time:.3f}s")
-            if not math.isfinite(m["loss"]) or (eval_loss is not None and not trainer.all_finite(eval_loss)):
-                reason = f"non-finite loss at step {step} (loss {m['loss']}, eval_loss {eval_loss})"
+            skipped_in_a_row = skipped_in_a_row + 1 if m["skipped"] else 0
+            reason = None
+            if m["skipped"] and a.nonfinite == "stop":
+                reason = f"non-finite loss or gradient at step {step} (loss {m['loss']}, grad norm {m['grad_norm']})"
+            elif skipped_in_a_row > a.max_skips:
+                reason = (f"{skipped_in_a_row} consecutive steps with a non-finite loss or gradient were skipped "
+                          f"(up to step {step}; --max-skips {a.max_skips})")
+            elif eval_loss is not None and not trainer.all_finite(eval_loss):
+                reason = f"non-finite eval loss at step {step} ({eval_loss}): the parameters are no longer finite"
+            if reason:
                 self.write_status("done", "diverged", common.EXIT_DIVERGED, reason)
                 return common.EXIT_DIVERGED
 

@@ -1,0 +1,77 @@
+"""Commands of the experiment layer: `train`, `run`, `report`, `bench latency`, `bench collective`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _ber(text: str) -> float:
+    from ..units import parse_probability
+    try:
+        return parse_probability(text, upper=0.5)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_train(args) -> int:
+    from ..topo import Topology
+    from .training import TrainConfig, summary_line, train
+
+    cfg = TrainConfig(mode=args.mode, model=args.model, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
+                      seq_len=args.seq_len, lr=args.lr, grad_clip=args.grad_clip, eval_every=args.eval_every,
+                      schedule=args.schedule, microbatches=args.microbatches, timeout=args.timeout,
+                      reference=args.reference, data=args.data, hosts=args.hosts,
+                      stall_timeout=args.stall_timeout, run_timeout=args.run_timeout)
+    if os.path.exists(args.topology):
+        target = Topology.load(args.topology, name=args.name)
+    else:
+        target = args.topology  # the name of a topology that is up
+    s = train(target, cfg, args.out, ber=args.ber, scope=args.scope, checksum=args.checksum,
+              collectives=args.collectives.split(",") if args.collectives else None, runtime=args.runtime,
+              log=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(s, indent=2, default=str))
+    else:
+        print(summary_line(s))
+        print(f"run directory: {os.path.abspath(args.out)} (metrics.jsonl, summary.json)")
+    return 0 if s["status"] == "ok" else 1
+
+
+def register(sub) -> None:
+    s = sub.add_parser("train", help="train GPT-2 across a topology",
+                       description="Train GPT-2 with DDP (one rank per host) or PP (one stage per host, in the "
+                                   "topology's host order) over gloo across the testbed's links. TOPOLOGY is a "
+                                   "YAML file (brought up for the run and down after) or the name of a topology "
+                                   "that is up. Writes metrics.jsonl and summary.json (status ok, crashed, hung, "
+                                   "diverged, invalid or error) to --out. Exit 0 only when the status is ok.")
+    s.add_argument("topology", metavar="TOPOLOGY")
+    s.add_argument("--mode", choices=["ddp", "pp"], required=True)
+    s.add_argument("--model", choices=["tiny", "small", "gpt2-124m"], default="tiny")
+    s.add_argument("--steps", type=int, required=True)
+    s.add_argument("--out", required=True, metavar="DIR")
+    s.add_argument("--ber", type=_ber, help="override every link's bit error rate (both directions)")
+    s.add_argument("--scope", choices=["payload", "all", "tensor"], help="override every link's scope")
+    s.add_argument("--checksum", choices=["fix", "keep"], help="override every link's checksum mode")
+    s.add_argument("--collectives", help="tensor scope: only these, comma-separated (e.g. allreduce,p2p)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--batch-size", type=int)
+    s.add_argument("--seq-len", type=int)
+    s.add_argument("--lr", type=float)
+    s.add_argument("--grad-clip", type=float, help="global-norm clipping (0 disables; worker default 1.0)")
+    s.add_argument("--eval-every", type=int)
+    s.add_argument("--schedule", choices=["gpipe", "1f1b"])
+    s.add_argument("--microbatches", type=int)
+    s.add_argument("--timeout", type=float, default=30.0, help="process-group timeout in s (default 30)")
+    s.add_argument("--stall-timeout", type=float, default=120.0, help="hung if no progress for this long (s)")
+    s.add_argument("--run-timeout", type=float, default=3600.0, help="hung if the run takes longer (s)")
+    s.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="DDP: compare each allreduce with a clean one over the management network")
+    s.add_argument("--data", help="train on this UTF-8 text file instead of the Shakespeare corpus")
+    s.add_argument("--hosts", type=int, help="use only the first N hosts")
+    s.add_argument("--runtime", choices=["netns", "docker"])
+    s.add_argument("--name", help="topology name to bring the file up under")
+    s.add_argument("--json", action="store_true", help="print the whole summary as JSON")
+    s.set_defaults(fn=cmd_train)

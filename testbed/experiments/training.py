@@ -1,0 +1,195 @@
+"""Train GPT-2 across a testbed: the glue between a topology (hosts, links, engines) and the workloads
+(testbed/train), which know nothing of either.
+
+    summary = train(Topology.load("topologies/pair.yaml"), TrainConfig(mode="ddp", model="tiny", steps=20),
+                    out="runs/x", ber=1e-4, scope="tensor")
+
+One worker per host: DDP uses every host; PP puts stage i on the i-th host of the topology (chain4 lists them
+in chain order, so activations cross one link per stage boundary). Rendezvous (TCPStore) and the clean
+reference group go over the management network; gloo's data group binds the host's first data interface.
+The engines' counters are read before and after, so the summary says how many bits the run's traffic lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..net import MGMT_IFNAME, Testbed
+from ..state import write_json_atomic
+from ..topo import Topology
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    mode: str  # ddp | pp
+    model: str = "tiny"
+    steps: int = 20
+    seed: int = 0
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    grad_clip: float | None = None
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    schedule: str | None = None
+    microbatches: int | None = None
+    timeout: float | None = 30.0  # process-group timeout: a corrupted frame must not hang for long
+    reference: bool | None = None
+    data: str | None = None
+    threads: int | None = None
+    hosts: int | None = None  # use only the first N hosts
+    stall_timeout: float = 120.0
+    run_timeout: float = 3600.0
+
+    def worker_argv(self) -> list[str]:
+        argv = ["--mode", self.mode, "--model", self.model, "--steps", str(self.steps), "--seed", str(self.seed)]
+        for f in ("batch_size", "seq_len", "lr", "grad_clip", "eval_every", "eval_batches", "schedule",
+                  "microbatches", "timeout", "data", "threads"):
+            v = getattr(self, f)
+            if v is not None:
+                argv += [f"--{f.replace('_', '-')}", str(v)]
+        if self.reference is not None:
+            argv.append("--reference" if self.reference else "--no-reference")
+        return argv
+
+
+def worker_hosts(topo: Topology, cfg: TrainConfig) -> list[str]:
+    hosts = topo.hosts[: cfg.hosts] if cfg.hosts else topo.hosts
+    if len(hosts) < 2:
+        raise ValueError(f"topology {topo.name} has {len(hosts)} host(s); training needs at least 2")
+    return hosts
+
+
+def prepare_data(cfg: TrainConfig, log=print) -> None:
+    """Download/tokenize once on this machine: hosts have no route to the package index, and they share the
+    cache (the netns hosts see this file system; containers mount the cache)."""
+    from ..train.data import prepare
+    from ..train.model import PRESETS
+
+    prepare(PRESETS[cfg.model][4], cfg.data, log=log)
+
+
+def _engine_totals(tb: Testbed) -> dict[str, dict]:
+    return {f"{s['link']}/{s['direction']}": s for s in tb.stats()}
+
+
+def train_on(tb: Testbed, cfg: TrainConfig, out: str | Path, log=print) -> dict:
+    """Run the workers on a topology that is up; return the summary (also written to out/summary.json)."""
+    from ..train.launch import run_workers, worker_command
+
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    topo = tb.topo
+    hosts = worker_hosts(topo, cfg)
+    if cfg.mode == "pp":
+        _check_chain(topo, hosts, log)
+    prepare_data(cfg, log=lambda m: log(f"data: {m}"))
+
+    # Workers write where they can: anywhere for namespace hosts, the shared work directory for containers.
+    shared = tb.runtime.shared_dir()
+    run_dir = out if shared is None else Path(shared) / f"run-{uuid.uuid4().hex[:12]}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    master = tb.mgmt_address(hosts[0])
+    port = str(topo.control_ports[0])
+
+    def env_for_rank(rank: int) -> dict:
+        h = hosts[rank]
+        return {"MASTER_ADDR": master, "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": topo.plan.data_iface(h),
+                "TESTBED_MGMT_IFNAME": MGMT_IFNAME, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+
+    passed = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TESTBED_MGMT_IFNAME", "RANK", "WORLD_SIZE",
+              "PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TESTBED_CACHE", "TESTBED_TORCH_THREADS")
+
+    def spawn(rank: int, argv: list[str], env: dict):
+        argv = [tb.runtime.python, *argv[1:]]  # the host's python (the image's, in a container)
+        with open(run_dir / f"worker-rank{rank}.log", "wb") as logf:
+            return tb.popen(hosts[rank], argv, {k: env[k] for k in passed if k in env},
+                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+
+    before = _engine_totals(tb)
+    started = time.time()
+    log(f"training {cfg.mode} {cfg.model} on {topo.name} ({tb.runtime_name}): {len(hosts)} ranks on "
+        f"{', '.join(hosts)}, {cfg.steps} steps")
+    summary = run_workers(spawn, len(hosts), cfg.worker_argv(), run_dir, env_for_rank,
+                          timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout)
+    after = _engine_totals(tb)
+    engines = []
+    for key, s in after.items():
+        b = before.get(key, {})
+        engines.append({
+            "link": s.get("link"), "direction": s.get("direction"), "alive": s.get("alive", True),
+            "ber": s.get("ber"), "scope": s.get("scope"), "checksum": s.get("checksum"),
+            "bits_seen": (s.get("bits_seen") or 0) - (b.get("bits_seen") or 0),
+            "bits_flipped": (s.get("bits_flipped") or 0) - (b.get("bits_flipped") or 0),
+            "packets_modified": (s.get("packets_modified") or 0) - (b.get("packets_modified") or 0),
+            "flows_desynced": (s.get("flows_desynced") or 0) - (b.get("flows_desynced") or 0),
+        })
+    seen = sum(e["bits_seen"] for e in engines)
+    flipped = sum(e["bits_flipped"] for e in engines)
+    summary.update({
+        "topology": topo.name, "topology_file": topo.file, "runtime": tb.runtime_name, "hosts": hosts,
+        "ber": sorted({e["ber"] for e in engines if e["ber"] is not None}) or [0.0],
+        "bits_seen": seen, "bits_flipped": flipped, "realized_ber": flipped / seen if seen else None,
+        "engines": engines, "config": dataclasses.asdict(cfg), "started_at": started,
+    })
+    if tb.runtime_name == "docker":
+        from ..runtime.image import image_digest
+        summary["image"] = tb.host(hosts[0]).extra.get("image")
+        summary["image_digest"] = image_digest(summary["image"])
+    dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
+    if dead:
+        # Fail closed: a dead engine dropped its link's traffic; the run cannot claim it saw corruption.
+        summary["status_workers"] = summary["status"]
+        summary["status"] = "invalid"
+        summary["reason"] = f"corruption engine died on {', '.join(dead)}; " + (summary.get("reason") or "")
+    if run_dir != out:
+        for p in run_dir.iterdir():
+            dest = out / p.name
+            if dest.exists():
+                dest.unlink() if dest.is_file() else shutil.rmtree(dest)
+            shutil.move(str(p), dest)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        summary["run_dir"] = str(out)
+    write_json_atomic(out / "summary.json", summary)
+    return summary
+
+
+def _check_chain(topo: Topology, hosts: list[str], log) -> None:
+    linked = {frozenset((l.a.node, l.b.node)) for l in topo.links}
+    far = [f"{a}-{b}" for a, b in zip(hosts, hosts[1:]) if frozenset((a, b)) not in linked]
+    if far:
+        log(f"note: pipeline neighbours {', '.join(far)} share no direct link; their traffic is routed over "
+            "several links")
+
+
+def train(topology: Topology | str, cfg: TrainConfig, out: str | Path, *, ber: float | None = None,
+          scope: str | None = None, checksum: str | None = None, collectives: list[str] | None = None,
+          runtime: str | None = None, name: str | None = None, log=print) -> dict:
+    """Train on a topology: a Topology (brought up for the run, then down) or the name of one that is up
+    (corruption overrides are applied live with `link set`)."""
+    overrides = {"ber": ber, "scope": scope, "checksum": checksum, "collectives": collectives}
+    if isinstance(topology, str):
+        tb = Testbed.attach(topology)
+        settings = {k: v for k, v in overrides.items() if v is not None}
+        if settings:
+            for link in tb.topo.links:
+                tb.set_link(link.name, **settings)
+        return train_on(tb, cfg, out, log=log)
+    topo = topology.with_overrides(name=name, runtime=runtime, **overrides)
+    tb = Testbed(topo, runtime=runtime, results_dir=out)
+    with tb:
+        summary = train_on(tb, cfg, out, log=log)
+    return summary
+
+
+def summary_line(s: dict) -> str:
+    loss = s.get("final_loss")
+    return (f"{s['status']}: {s.get('steps_completed', 0)}/{s.get('steps_requested', '?')} steps, final loss "
+            f"{'-' if loss is None else f'{loss:.4f}'}, bits flipped {s.get('bits_flipped', 0):,} of "
+            f"{s.get('bits_seen', 0):,} eligible" + (f" ({s['reason']})" if s.get("reason") else ""))
