@@ -168,11 +168,20 @@ def _check_chain(topo: Topology, hosts: list[str], log) -> None:
             "several links")
 
 
+# What `scope: tensor` corrupts by default when training: the traffic under study (DDP: gradient allreduce;
+# PP: activations and their gradients, point-to-point). The rest of gloo's payload is framework metadata, e.g.
+# DDP's broadcast of its rebuilt bucket layout after step 0: corrupting that yields garbage indices and an
+# error that says nothing about training under bit errors. `--collectives` overrides it.
+DEFAULT_COLLECTIVES = {"ddp": ["allreduce"], "pp": ["p2p"]}
+
+
 def train(topology: Topology | str, cfg: TrainConfig, out: str | Path, *, ber: float | None = None,
           scope: str | None = None, checksum: str | None = None, collectives: list[str] | None = None,
           runtime: str | None = None, name: str | None = None, log=print) -> dict:
     """Train on a topology: a Topology (brought up for the run, then down) or the name of one that is up
     (corruption overrides are applied live with `link set`)."""
+    if scope == "tensor" and collectives is None:
+        collectives = DEFAULT_COLLECTIVES[cfg.mode]
     overrides = {"ber": ber, "scope": scope, "checksum": checksum, "collectives": collectives}
     if isinstance(topology, str):
         tb = Testbed.attach(topology)

@@ -60,8 +60,9 @@ def build_parser():
     p.add_argument("--nonfinite", choices=["skip", "stop"], default="skip",
                    help="a step whose loss or gradient norm is non-finite: skip its update on every rank (as "
                         "mixed-precision trainers do) or stop the run as diverged")
-    p.add_argument("--max-skips", type=int, default=10,
-                   help="consecutive skipped steps after which the run counts as diverged")
+    p.add_argument("--max-skips", type=int, default=0,
+                   help="consecutive skipped steps after which the run counts as diverged (0: no limit; a run "
+                        "whose every update is skipped completes without learning, which its loss shows)")
     p.add_argument("--save-final", action=argparse.BooleanOptionalAction, default=None,
                    help=f"save final-rank{{R}}.pt (default: below {SAVE_FINAL_MAX_PARAMS:,} parameters per rank)")
     # test hooks: simulate what the wire could do, on one rank, inside the process (no network needed)
@@ -226,7 +227,7 @@ class Worker:
             reason = None
             if m["skipped"] and a.nonfinite == "stop":
                 reason = f"non-finite loss or gradient at step {step} (loss {m['loss']}, grad norm {m['grad_norm']})"
-            elif skipped_in_a_row > a.max_skips:
+            elif a.max_skips and skipped_in_a_row > a.max_skips:
                 reason = (f"{skipped_in_a_row} consecutive steps with a non-finite loss or gradient were skipped "
                           f"(up to step {step}; --max-skips {a.max_skips})")
             elif eval_loss is not None and not trainer.all_finite(eval_loss):

@@ -1,0 +1,111 @@
+"""GPT-2 (tiny) trained across real topologies with the corruption engine: DDP on 2 and 4 hosts, PP on
+chains of 2 and 4 stages. Each topology is brought up once per module and reused; every run changes the
+links' corruption live (`link set`), as `testbed train NAME` does."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from conftest import TOPOLOGIES, running, unique_name
+from testbed.experiments.training import TrainConfig, train
+from testbed.topo import Topology
+from testbed.train.fingerprint import bit_identical, run_distance
+
+SEEDS = [1, 2, 3, 4, 5]
+
+
+def cfg(mode: str, seed: int, steps: int = 20, **kw) -> TrainConfig:
+    return TrainConfig(mode=mode, model="tiny", steps=steps, seed=seed, batch_size=4, seq_len=32, eval_every=10,
+                       timeout=15, stall_timeout=45, run_timeout=300, **kw)
+
+
+def up(file: str, **overrides):
+    topo = Topology.load(TOPOLOGIES / file, name=unique_name(file.split(".")[0]))
+    # Engines on every direction from the start (BER 0), so runs only change settings live.
+    return running(topo.with_overrides(ber=0.0, scope="tensor", **overrides))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with up("pair.yaml") as tb:
+        yield tb
+
+
+@pytest.fixture(scope="module")
+def ring4():
+    with up("ring4.yaml") as tb:
+        yield tb
+
+
+def quiet(_msg):
+    pass
+
+
+def run(tb, out, mode, seed, ber, scope="tensor", **kw):
+    return train(tb.name, cfg(mode, seed, **kw), out, ber=ber, scope=scope, log=quiet)
+
+
+def assert_completed_with_corruption(s):
+    assert s["status"] == "ok", s
+    assert s["steps_completed"] == 20
+    assert s["bits_flipped"] > 0, s["engines"]
+    assert s["realized_ber"] is not None and s["bits_seen"] > 1e7
+
+
+@pytest.mark.parametrize("topology", ["pair", "ring4"])
+def test_ddp_tensor_scope_survives_ber_1e4_for_every_seed(request, tmp_path, topology):
+    tb = request.getfixturevalue(topology)
+    for seed in SEEDS:
+        s = run(tb, tmp_path / f"s{seed}", "ddp", seed, 1e-4)
+        assert_completed_with_corruption(s)
+        assert s["world_size"] == len(tb.topo.hosts)
+        # The metrics show corrupted values arrived: gradients that differ from the clean reference allreduce.
+        assert s["corrupted_values_total"] > 0
+        assert all(e["flows_desynced"] == 0 for e in s["engines"])
+
+
+@pytest.mark.parametrize("topology", ["pair", "ring4"])
+def test_ddp_payload_scope_breaks_gloo_and_is_reported(request, tmp_path, topology):
+    tb = request.getfixturevalue(topology)
+    s = run(tb, tmp_path / "payload", "ddp", 1, 1e-4, scope="payload")
+    # gloo's framing is corrupted too: an abort (crashed) or a wait for bytes that never come (hung)
+    assert s["status"] in ("crashed", "hung"), s
+    assert s["reason"]
+    assert s["wall_time_s"] < 200  # within the timeouts, never an endless wait
+    assert s["bits_flipped"] > 0
+
+
+def test_pp_tensor_scope_completes_at_ber_1e5_on_chains_of_2_and_4(pair, tmp_path):
+    s = run(pair, tmp_path / "pp2", "pp", 1, 1e-5)
+    assert_completed_with_corruption(s)
+    assert s["world_size"] == 2
+    with up("chain4.yaml") as chain:
+        s = run(chain, tmp_path / "pp4", "pp", 1, 1e-5)
+    assert_completed_with_corruption(s)
+    assert s["world_size"] == 4
+    # every stage boundary carried corrupted activations or gradients (both directions of each link)
+    assert sum(1 for e in s["engines"] if e["bits_flipped"] > 0) >= 3
+
+
+def test_clean_runs_are_identical_and_corruption_deviates_more_at_higher_ber(pair, tmp_path):
+    clean = {seed: tmp_path / f"clean{seed}" for seed in (1, 2)}
+    for seed, d in clean.items():
+        assert run(pair, d, "ddp", seed, 0.0)["status"] == "ok"
+    again = tmp_path / "clean1-again"
+    s = run(pair, again, "ddp", 1, 0.0)
+    assert s["bits_flipped"] == 0
+    assert bit_identical(clean[1], again)
+    assert run_distance(clean[1], again)["final"][0]["l2"] == 0.0
+
+    deviation = {}
+    for ber in (1e-6, 1e-4):
+        devs = []
+        for seed in (1, 2):
+            d = tmp_path / f"ber{ber:g}-s{seed}"
+            assert run(pair, d, "ddp", seed, ber)["status"] == "ok"
+            assert not bit_identical(clean[seed], d)
+            devs.append(run_distance(clean[seed], d)["final"][0]["l2"])
+        deviation[ber] = statistics.mean(devs)
+    assert 0 < deviation[1e-6] < deviation[1e-4], deviation
