@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -190,42 +189,20 @@ def test_no_engine_reachable_is_a_clear_error(tmp_path):
     assert not docker_check["ok"] and "ensure-docker.sh" in docker_check["detail"]
 
 
-def test_ddp_training_across_containers(docker_client, worker_image, load_topology):
-    """GPT-2 (tiny) DDP over gloo between two containers: rendezvous on mgmt0, gradients on eth1. Shows how a
-    worker is launched in a container: `python -m testbed.train.worker` of the image, only the distributed
-    variables passed in, the run directory in the shared work directory."""
-    launch = pytest.importorskip("testbed.train.launch")
-    from testbed.runtime.docker import WORK_DIR
-    from testbed.train import common
+def test_ddp_training_across_containers(docker_client, worker_image, load_topology, tmp_path):
+    """GPT-2 (tiny) DDP over gloo between two containers at BER 1e-5, tensor scope: the same `train` as for
+    namespaces; the results record the runtime and the image digest."""
+    from testbed.experiments.training import TrainConfig, train
 
-    r = subprocess.run([sys.executable, "-m", "testbed.train.data", "--model", "tiny"], capture_output=True,
-                       text=True, timeout=600)  # on the host: containers have no route to the package index
-    assert r.returncode == 0, r.stderr
     topo = load_topology("pair.yaml")
-    run_dir = WORK_DIR / f"test-ddp-{topo.name}"
-    with running_docker(docker_client, topo) as tb:
-        hosts = topo.hosts
-
-        def spawn(rank, argv, env):
-            keep = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TESTBED_MGMT_IFNAME", "RANK", "WORLD_SIZE",
-                    "PYTHONUNBUFFERED")
-            with open(common.log_path(run_dir, rank), "wb") as log:
-                return tb.popen(hosts[rank], ["python", *argv[1:]], {k: env[k] for k in keep if k in env},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-        def env_for_rank(rank):
-            return {"MASTER_ADDR": tb.mgmt_address(hosts[0]), "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": "eth1",
-                    "TESTBED_MGMT_IFNAME": "mgmt0"}
-
-        try:
-            s = launch.run_workers(spawn, 2, ["--mode", "ddp", "--model", "tiny", "--steps", "3"], run_dir,
-                                   env_for_rank, timeout_s=300, stall_timeout_s=120)
-            logs = "".join(p.read_text()[-1500:] for p in run_dir.glob("worker-rank*.log"))
-            assert s["status"] == "ok", (s, logs)
-            assert s["steps_completed"] == 3
-            assert _rx_bytes(tb, "h2", "eth1") > 100_000  # the gradients went over the data link
-        finally:
-            shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = TrainConfig(mode="ddp", model="tiny", steps=20, seed=1, batch_size=4, seq_len=32, timeout=15,
+                      stall_timeout=60, run_timeout=300)
+    s = train(topo, cfg, tmp_path / "run", ber=1e-5, scope="tensor", runtime="docker", log=lambda m: None)
+    assert s["status"] == "ok", s
+    assert s["steps_completed"] == 20 and s["bits_flipped"] > 0
+    assert s["runtime"] == "docker" and s["image_digest"] == worker_image["id"]
+    assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "summary.json").exists()
+    assert not nothing_left(docker_client, topo.name)
 
 
 def test_image_info_and_digest(worker_image):
