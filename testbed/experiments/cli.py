@@ -40,7 +40,51 @@ def cmd_train(args) -> int:
     return 0 if s["status"] == "ok" else 1
 
 
+def cmd_run(args) -> int:
+    from .runner import run_experiment
+    from .spec import Experiment
+
+    exp = Experiment.load(args.experiment)
+    rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed)
+    from .report import write_report
+
+    report = write_report(args.out)
+    ok = sum(1 for r in rows if r["status"] == "ok")
+    print(f"{len(rows)} points ({ok} ok) in {os.path.abspath(args.out)}/results.jsonl")
+    print(f"report: {report}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    if not os.path.exists(os.path.join(args.dir, "results.jsonl")):
+        print(f"testbed: {args.dir} has no results.jsonl (run `testbed run EXPERIMENT --out {args.dir}` first)",
+              file=sys.stderr)
+        return 2
+    print(f"report: {write_report(args.dir)}")
+    return 0
+
+
 def register(sub) -> None:
+    s = sub.add_parser("run", help="run an experiment (a grid of training points) and write its report",
+                       description="Run every point of EXPERIMENT's grid (BER x mode x scope x checksum x seed), one "
+                                   "after another, each on a fresh topology; then summary.csv, plots and report.md. "
+                                   "Results are saved after every point: interrupt with Ctrl-C and run the same "
+                                   "command again to finish only the missing points. See experiments/quick.yaml.")
+    s.add_argument("experiment", metavar="EXPERIMENT.yaml")
+    s.add_argument("--out", required=True, metavar="DIR")
+    s.add_argument("--runtime", choices=["netns", "docker"], help="override the experiment's runtime")
+    s.add_argument("--retry-failed", action="store_true", help="also re-run points that did not end ok")
+    s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("report", help="rebuild plots and report from results",
+                       description="Rebuild summary.csv, the plots and report.md of DIR from its results.jsonl (and "
+                                   "latency.json) alone.")
+    s.add_argument("dir", metavar="DIR")
+    s.set_defaults(fn=cmd_report)
+
+
     s = sub.add_parser("train", help="train GPT-2 across a topology",
                        description="Train GPT-2 with DDP (one rank per host) or PP (one stage per host, in the "
                                    "topology's host order) over gloo across the testbed's links. TOPOLOGY is a "

@@ -117,7 +117,7 @@ def train_on(tb: Testbed, cfg: TrainConfig, out: str | Path, log=print) -> dict:
     log(f"training {cfg.mode} {cfg.model} on {topo.name} ({tb.runtime_name}): {len(hosts)} ranks on "
         f"{', '.join(hosts)}, {cfg.steps} steps")
     summary = run_workers(spawn, len(hosts), cfg.worker_argv(), run_dir, env_for_rank,
-                          timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout)
+                          timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
     after = _engine_totals(tb)
     engines = []
     for key, s in after.items():

@@ -1,0 +1,190 @@
+"""`testbed run EXPERIMENT.yaml --out DIR`: run an experiment's grid point by point, each on a freshly brought
+up topology, and keep results safe across interruptions.
+
+- results.jsonl is rewritten atomically after every point (temp file + rename): an interrupted run loses only
+  the point in progress, and a re-run skips every point already there (same experiment fingerprint).
+- BER-0 baselines run first: every other point is compared with its baseline (weight deviation).
+- A progress bar shows points done and the ETA; each point's outcome is printed as it finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from ..state import write_json_atomic
+from .spec import Experiment, Point
+from .training import DEFAULT_COLLECTIVES, TrainConfig, summary_line, train
+
+# The worker's defaults (testbed/train/worker.py), for rows that feed the theory overlay.
+WORKER_DEFAULT_LR = 1e-3
+WORKER_DEFAULT_CLIP = 1.0
+
+
+class ResultsStore:
+    """results.jsonl: one row per finished point, in grid order, always complete on disk."""
+
+    def __init__(self, out: Path):
+        self.path = out / "results.jsonl"
+        self.rows: dict[str, dict] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    self.rows[row["point"]] = row
+
+    def done(self, point: Point, fingerprint: str) -> dict | None:
+        row = self.rows.get(point.id)
+        return row if row and row.get("fingerprint") == fingerprint else None
+
+    def add(self, row: dict) -> None:
+        self.rows[row["point"]] = row
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r, allow_nan=False, default=_jsonable) + "\n" for r in self.rows.values()))
+        os.replace(tmp, self.path)
+
+
+def _jsonable(x):
+    return str(x)
+
+
+def _finite(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def train_config(exp: Experiment, point: Point) -> TrainConfig:
+    t = exp.spec.train
+    return TrainConfig(mode=point.mode, model=exp.spec.model, steps=exp.spec.steps, seed=point.seed,
+                       batch_size=t.batch_size, seq_len=t.seq_len, lr=t.lr, grad_clip=t.grad_clip,
+                       eval_every=t.eval_every, eval_batches=t.eval_batches, schedule=t.schedule,
+                       microbatches=t.microbatches, timeout=t.timeout or 30.0, reference=t.reference, data=t.data,
+                       stall_timeout=t.stall_timeout or 120.0, run_timeout=exp.spec.point_timeout)
+
+
+def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, baseline_dir: Path | None) -> dict:
+    """Everything the report needs about one point, from its summary and metrics (the report never reads
+    run directories, so results.jsonl alone rebuilds it)."""
+    from ..train.fingerprint import replica_divergence, run_distance
+    from .theory import param_count
+
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    by_step: dict[int, list[dict]] = {}
+    for m in metrics:
+        by_step.setdefault(m["step"], []).append(m)
+    steps = sorted(by_step)
+    rank0 = {s: next((m for m in by_step[s] if m["rank"] == 0), by_step[s][0]) for s in steps}
+    row = {
+        "point": point.id, "baseline": point.baseline.id, "experiment": exp.spec.name,
+        "fingerprint": exp.fingerprint(), **point.params(), "model": exp.spec.model, "steps": exp.spec.steps,
+        "topology": summary.get("topology"), "runtime": summary.get("runtime"),
+        "world_size": summary.get("world_size"), "status": summary.get("status"), "reason": summary.get("reason"),
+        "steps_completed": summary.get("steps_completed", 0), "skipped_steps": summary.get("skipped_steps", 0),
+        "final_loss": _finite(summary.get("final_loss")), "final_eval_loss": _finite(summary.get("final_eval_loss")),
+        "loss_curve": [_finite(rank0[s].get("loss")) for s in steps],
+        "eval_curve": [[s, _finite(rank0[s]["eval_loss"])] for s in steps if rank0[s].get("eval_loss") is not None],
+        "grad_norm_curve": [_finite(rank0[s].get("grad_norm")) for s in steps],
+        "step_time_curve": [max(m.get("step_time_s") or 0.0 for m in by_step[s]) for s in steps],
+        "median_step_time_s": summary.get("median_step_time_s"), "median_comm_time_s": summary.get("median_comm_time_s"),
+        "bits_seen": summary.get("bits_seen"), "bits_flipped": summary.get("bits_flipped"),
+        "realized_ber": summary.get("realized_ber"),
+        "nonfinite_received_total": summary.get("nonfinite_received_total"),
+        "corrupted_values_total": summary.get("corrupted_values_total"),
+        "collectives": DEFAULT_COLLECTIVES[point.mode] if point.scope == "tensor" else None,
+        "n_params": param_count(exp.spec.model), "lr": exp.spec.train.lr or WORKER_DEFAULT_LR,
+        "grad_clip": exp.spec.train.grad_clip if exp.spec.train.grad_clip is not None else WORKER_DEFAULT_CLIP,
+        "deviation_curve": [], "final_deviation": None, "replica_divergence_curve": [],
+        "final_replica_divergence": None, "wall_time_s": summary.get("wall_time_s"),
+        "finished_at": time.time(), "image_digest": summary.get("image_digest"),
+        "run_dir": str(run_dir.relative_to(run_dir.parent.parent)),
+    }
+    if baseline_dir is not None and baseline_dir != run_dir and (baseline_dir / "metrics.jsonl").exists():
+        d = run_distance(baseline_dir, run_dir)
+        per: dict[int, float] = {}
+        for e in d["per_step"]:
+            # PP: each rank holds other parameters, so the model's distance adds up over ranks; DDP: rank 0.
+            if point.mode == "pp" or e["rank"] == 0:
+                per[e["step"]] = per.get(e["step"], 0.0) + e["l2_estimate"] ** 2
+        row["deviation_curve"] = [[s, _finite(math.sqrt(v))] for s, v in sorted(per.items())]
+        if d["final"]:
+            finals = [v["l2"] for r, v in d["final"].items() if point.mode == "pp" or r == 0]
+            row["final_deviation"] = _finite(math.sqrt(sum(x * x for x in finals))) if finals else None
+    elif point.ber == 0:
+        row["final_deviation"] = 0.0
+    if point.mode == "ddp":
+        div = replica_divergence(run_dir)
+        worst: dict[int, float] = {}
+        for e in div["per_step"]:
+            worst[e["step"]] = max(worst.get(e["step"], 0.0), e["l2_estimate"])
+        row["replica_divergence_curve"] = [[s, _finite(v)] for s, v in sorted(worst.items())]
+        if div["final"]:
+            row["final_replica_divergence"] = _finite(max(v["l2"] for v in div["final"].values()))
+    return row
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
+                   log=None) -> list[dict]:
+    from tqdm import tqdm
+
+    out = Path(out).resolve()
+    (out / "points").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(exp.file, out / "experiment.yaml")
+    store = ResultsStore(out)
+    fp = exp.fingerprint()
+    points = exp.points()
+    todo = [p for p in points if not (store.done(p, fp) and (not retry_failed or store.done(p, fp)["status"] == "ok"))]
+    runtime = runtime or exp.spec.runtime
+    bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
+               desc=exp.spec.name, file=sys.stderr)
+    say = log or (lambda m: bar.write(m, file=sys.stderr))
+    if len(todo) < len(points):
+        say(f"{len(points) - len(todo)} of {len(points)} points already in {out / 'results.jsonl'}: skipped")
+    try:
+        for point in todo:
+            run_dir = out / "points" / point.id
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # an interrupted attempt: start the point afresh
+            bar.set_postfix_str(point.id)
+            name = f"{exp.spec.name[:8]}{os.getpid() % 10000}-{points.index(point)}"
+            summary = train(exp.topology(point.mode), train_config(exp, point), run_dir, ber=point.ber,
+                            scope=point.scope, checksum=point.checksum, runtime=runtime, name=name, log=lambda m: None)
+            base = out / "points" / point.baseline.id
+            row = point_row(exp, point, summary, run_dir, base if base.exists() else None)
+            store.add(row)
+            say(f"{point.id}: {summary_line(summary)}")
+            bar.update(1)
+        if exp.spec.latency is not None:
+            run_latency(exp, out, runtime, say)
+    finally:
+        bar.close()
+    return list(store.rows.values())
+
+
+def run_latency(exp: Experiment, out: Path, runtime: str | None, say) -> None:
+    from .bench import measure_latency
+    from ..topo import Topology
+
+    lat = exp.spec.latency
+    path = out / "latency.json"
+    want = {"topology": lat.topology, "link": lat.link, "bers": list(lat.bers), "size": lat.size, "count": lat.count}
+    if path.exists() and json.loads(path.read_text()).get("config") == want:
+        say("latency: already measured")
+        return
+    say(f"latency: ping-pong on {lat.topology}, {lat.count} x {lat.size} B per configuration")
+    topo = Topology.load(exp.resolve(lat.topology), name=f"{exp.spec.name[:8]}{os.getpid() % 10000}-lat")
+    if runtime:
+        topo = topo.with_overrides(runtime=runtime)
+    result = measure_latency(topo, lat.link, list(lat.bers), lat.size, lat.count, log=say)
+    result["config"] = want
+    write_json_atomic(path, result)
