@@ -109,3 +109,16 @@ def test_clean_runs_are_identical_and_corruption_deviates_more_at_higher_ber(pai
             devs.append(run_distance(clean[seed], d)["final"][0]["l2"])
         deviation[ber] = statistics.mean(devs)
     assert 0 < deviation[1e-6] < deviation[1e-4], deviation
+
+
+@pytest.mark.slow
+def test_gpt2_124m_trains_ddp_on_pair_on_cpu(tmp_path):
+    """The real 124M configuration, a few steps across the testbed with the engine on (benchmarks/
+    bench_gpt2_testbed.py measures the step time with and without it)."""
+    topo = Topology.load(TOPOLOGIES / "pair.yaml", name=unique_name("gpt2"))
+    c = TrainConfig(mode="ddp", model="gpt2-124m", steps=3, seed=1, batch_size=1, seq_len=128, timeout=120,
+                    stall_timeout=600, run_timeout=1200, reference=False)
+    s = train(topo, c, tmp_path / "run", ber=1e-7, scope="tensor", log=quiet)
+    assert s["status"] == "ok", s
+    assert s["steps_completed"] == 3
+    assert s["bits_seen"] > 3 * 124_439_808 * 32 * 0.9  # every step's gradients crossed the engine

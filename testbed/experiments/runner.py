@@ -63,6 +63,7 @@ def train_config(exp: Experiment, point: Point) -> TrainConfig:
                        batch_size=t.batch_size, seq_len=t.seq_len, lr=t.lr, grad_clip=t.grad_clip,
                        eval_every=t.eval_every, eval_batches=t.eval_batches, schedule=t.schedule,
                        microbatches=t.microbatches, timeout=t.timeout or 30.0, reference=t.reference, data=t.data,
+                       threads=t.threads,
                        stall_timeout=t.stall_timeout or 120.0, run_timeout=exp.spec.point_timeout)
 
 

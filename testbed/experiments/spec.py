@@ -55,6 +55,7 @@ class TrainSpec(_Strict):
     collectives: list[str] | None = None
     reference: bool | None = None
     data: str | None = None
+    threads: int | None = Field(default=None, ge=1, description="torch threads per worker")
 
 
 class LatencySpec(_Strict):

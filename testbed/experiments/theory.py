@@ -33,7 +33,7 @@ from scipy.special import bdtrc, ndtri
 GPT2_SHAPES = {
     "gpt2-124m": (12, 768, 1024, 50257),
     "small": (4, 128, 128, 2048),
-    "tiny": (2, 64, 64, 512),
+    "tiny": (4, 64, 64, 512),
 }
 GPT2_124M_PARAMS = 124_439_808
 

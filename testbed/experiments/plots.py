@@ -1,0 +1,575 @@
+"""Plots of an experiment's results: one PNG per question, from results.jsonl rows or latency.json.
+
+Every `plot_*(rows or latency, path)` writes its PNG atomically and returns the path, or returns None when the
+data hold nothing to plot (no rows of that kind, every value missing). Figures are built with the object API
+(`matplotlib.figure.Figure`, rendered by Agg): no pyplot, no display, no global backend switch, nothing to close.
+
+Conventions shared by all plots:
+- a "config" is (mode, scope, checksum); it has one color per plot set (`config_colors`);
+- a BER has one color in every plot that colors by BER (`ber_colors`): the clean run (BER 0) is black;
+- on BER axes that need the clean run, BER 0 sits one decade left of the smallest BER, labelled "0";
+- "ok" runs are filled circles, every failed status (crashed, hung, diverged, invalid, error) is an x.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import NullLocator
+
+from ..train.common import write_atomic
+from . import theory
+
+DPI = 120
+MODE_ORDER = ("ddp", "pp")
+MODE_NAMES = {"ddp": "DDP", "pp": "PP"}
+# Published analysis (GPT-2 124M): DDP trained as well as clean below BER 1e-4, PP needed BER below 1e-5
+PUBLISHED_TOLERATED_BER = {"ddp": 1e-4, "pp": 1e-5}
+FAILED_MARKER, OK_MARKER = "x", "o"
+LATENCY_QUANTILES = (("p50_us", 0.5), ("p90_us", 0.9), ("p99_us", 0.99), ("p999_us", 0.999))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row helpers (also used by report.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+def finite(x) -> float | None:
+    """x as a float when it is a finite number, else None (null, NaN, Inf, strings)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def positive(x) -> float | None:
+    """x as a float when it is finite and > 0 (what a log axis can show), else None."""
+    v = finite(x)
+    return v if v is not None and v > 0 else None
+
+
+def mode_key(mode: str) -> tuple:
+    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), str(mode))
+
+
+def config_of(row: dict) -> tuple:
+    return (row.get("mode"), row.get("scope"), row.get("checksum"))
+
+
+def config_sort_key(config: tuple) -> tuple:
+    mode, scope, checksum = config
+    return (*mode_key(mode), str(scope), str(checksum))
+
+
+def configs(rows: list[dict]) -> list[tuple]:
+    return sorted({config_of(r) for r in rows}, key=config_sort_key)
+
+
+def modes(rows: list[dict]) -> list[str]:
+    return sorted({r.get("mode") for r in rows}, key=mode_key)
+
+
+def mode_name(mode: str) -> str:
+    return MODE_NAMES.get(mode, str(mode))
+
+
+def config_label(config: tuple, all_configs: list[tuple]) -> str:
+    """'DDP', or 'DDP tensor/keep' when the experiment has several scopes or checksum modes."""
+    mode, scope, checksum = config
+    varies = len({c[1:] for c in all_configs}) > 1
+    return f"{mode_name(mode)} {scope}/{checksum}" if varies else mode_name(mode)
+
+
+def ber_text(ber: float | None) -> str:
+    """1e-05, 2.4e-04, 0. Text that is not a number (YAML reads '1e-6' as a string) passes through."""
+    if ber is None:
+        return "—"
+    try:
+        ber = float(ber)
+    except (TypeError, ValueError):
+        return str(ber)
+    return "0" if ber == 0 else f"{ber:.1e}".replace(".0e", "e")
+
+
+def ber_of(row: dict) -> float:
+    """The row's BER as a float (numeric strings accepted); 0 when absent."""
+    try:
+        ber = float(row.get("ber") or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return ber if math.isfinite(ber) else 0.0
+
+
+def is_ok(row: dict) -> bool:
+    return row.get("status") == "ok"
+
+
+def config_colors(all_configs: list[tuple]) -> dict:
+    palette = colormaps["tab10"].colors
+    return {c: palette[i % len(palette)] for i, c in enumerate(all_configs)}
+
+
+def ber_colors(bers) -> dict:
+    """BER -> color: 0 black, the others spread evenly over 'plasma' in BER order (even spacing keeps
+    neighbouring BERs distinguishable however the grid is spaced)."""
+    nonzero = sorted({b for b in bers if b > 0})
+    cmap = colormaps["plasma"]
+    colors = {0.0: "black"}
+    for i, b in enumerate(nonzero):
+        colors[b] = cmap(0.1 + 0.75 * (i / max(len(nonzero) - 1, 1)))
+    return colors
+
+
+def run_setup(rows: list[dict], mode: str) -> dict:
+    """The training setup of `mode`'s runs (first row that reports each field), for the theory overlays."""
+    setup = {}
+    for key in ("model", "n_params", "steps", "lr", "grad_clip", "world_size", "batch_size", "seq_len"):
+        for r in rows:
+            if r.get("mode") == mode and r.get(key) is not None:
+                setup[key] = r[key]
+                break
+    return setup
+
+
+def theory_deviation(bers, setup: dict) -> np.ndarray | None:
+    """weight_deviation_estimate (DDP gradient errors, AdamW as the worker trains) at each BER, or None when the
+    setup lacks n_params/steps/lr. grad_clip None means the worker's default, 1.0; world_size < 2 has no ring."""
+    n_params, steps, lr = setup.get("n_params"), setup.get("steps"), setup.get("lr")
+    if not (n_params and steps and lr):
+        return None
+    clip = setup.get("grad_clip")
+    n_ranks = max(int(setup.get("world_size") or 2), 2)
+    est = theory.weight_deviation_estimate(np.asarray(bers, dtype=float), int(n_params), int(steps), float(lr),
+                                           "adamw", grad_clip=1.0 if clip is None else float(clip), n_ranks=n_ranks)
+    return np.atleast_1d(np.asarray(est, dtype=float))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figure helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+def _figure(n_panels: int, width: float = 6.0, height: float = 4.5) -> tuple[Figure, list]:
+    fig = Figure(figsize=(width * n_panels, height), dpi=DPI, layout="tight")
+    axes = fig.subplots(1, n_panels, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def save_figure(fig: Figure, path) -> Path:
+    """Render to PNG in memory, then write atomically (a reader never sees half an image)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    path = Path(path)
+    write_atomic(path, buf.getvalue())
+    return path
+
+
+def _clean_x(bers) -> float:
+    """Where BER 0 goes on a log BER axis: one decade left of the smallest non-zero BER."""
+    nonzero = [b for b in bers if b > 0]
+    return min(nonzero) / 10 if nonzero else 1e-9
+
+
+def _x_of(ber: float, clean_x: float) -> float:
+    return ber if ber > 0 else clean_x
+
+
+def _ber_ticks(ax, bers, with_clean: bool) -> None:
+    """Decade ticks over the BER range, plus '0' at the clean position when the clean run is drawn."""
+    nonzero = [b for b in bers if b > 0]
+    if not nonzero:
+        return
+    lo, hi = math.floor(math.log10(min(nonzero))), math.ceil(math.log10(max(nonzero)))
+    ticks = [10.0**k for k in range(lo, hi + 1)]
+    labels = [f"1e{k}" for k in range(lo, hi + 1)]
+    if with_clean:
+        clean = _clean_x(nonzero)
+        ticks, labels = [clean] + [t for t in ticks if t > clean * 1.5], ["0"] + [
+            lab for t, lab in zip(ticks, labels) if t > clean * 1.5]
+    ax.set_xticks(ticks, labels)
+    ax.xaxis.set_minor_locator(NullLocator())
+    # a quarter decade of room on both sides, so markers at the first and last BER are not cut in half
+    ax.set_xlim(min(ticks) / 10**0.25, max(ticks) * 10**0.25)
+
+
+def _initial_losses(rows: list[dict], mode: str) -> list[float]:
+    return [v for r in rows if r.get("mode") == mode and r.get("loss_curve")
+            if (v := finite(r["loss_curve"][0])) is not None]
+
+
+def _robust_top(values: list[float], reference: list[float]) -> float | None:
+    """An upper y limit that keeps a few exploded values (a loss of 1e6) from flattening everything else:
+    1.5 x the largest reference value (e.g. the initial or clean loss) when the data go far beyond it."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    refs = [v for v in reference if v is not None and math.isfinite(v)]
+    if not vals or not refs:
+        return None
+    top = 1.5 * max(refs)
+    return top if max(vals) > top else None
+
+
+def _status_legend_handles(color="gray") -> list:
+    return [Line2D([], [], color=color, marker=OK_MARKER, linestyle="", label="run: ok"),
+            Line2D([], [], color=color, marker=FAILED_MARKER, linestyle="", label="run: failed")]
+
+
+def _mean(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _median(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.median(vals)) if vals else None
+
+
+def _geomean(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None and v > 0]
+    return float(np.exp(np.mean(np.log(vals)))) if vals else None
+
+
+def _by_ber(rows: list[dict]) -> dict[float, list[dict]]:
+    out: dict[float, list[dict]] = {}
+    for r in rows:
+        out.setdefault(ber_of(r), []).append(r)
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------------------------
+
+def _curves_array(curves: list[list]) -> np.ndarray:
+    """Seeds x steps, NaN where a curve has null or is shorter (a run that stopped early)."""
+    length = max(len(c) for c in curves)
+    out = np.full((len(curves), length), np.nan)
+    for i, c in enumerate(curves):
+        out[i, :len(c)] = [v if finite(v) is not None else np.nan for v in c]
+    return out
+
+
+def plot_loss_vs_step(rows: list[dict], path) -> Path | None:
+    """Training loss per step: a panel per mode, a line per BER (mean over seeds, band = min..max)."""
+    with_curves = [r for r in rows if isinstance(r.get("loss_curve"), list) and r["loss_curve"]]
+    if not with_curves:
+        return None
+    all_configs = configs(with_curves)
+    colors = ber_colors({ber_of(r) for r in rows})
+    styles = ("-", "--", ":", "-.")
+    panel_modes = modes(with_curves)
+    fig, axes = _figure(len(panel_modes))
+    for ax, mode in zip(axes, panel_modes):
+        mode_configs = [c for c in all_configs if c[0] == mode]
+        plotted, initial = [], []
+        for style, config in zip(styles * 4, mode_configs):
+            for ber, group in _by_ber([r for r in with_curves if config_of(r) == config]).items():
+                arr = _curves_array([r["loss_curve"] for r in group])
+                with warnings.catch_warnings():  # steps where every seed is NaN stay NaN, quietly
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    mean, lo, hi = np.nanmean(arr, 0), np.nanmin(arr, 0), np.nanmax(arr, 0)
+                steps = np.arange(arr.shape[1])
+                label = f"BER {ber_text(ber)}" if ber > 0 else "BER 0 (clean)"
+                if len(mode_configs) > 1:
+                    label = f"{config[1]}/{config[2]}, {label}"
+                ax.plot(steps, mean, color=colors[ber], linestyle=style, linewidth=1.6 if ber == 0 else 1.2,
+                        label=f"{label} ({len(group)} seeds)", zorder=3 if ber == 0 else 2)
+                if len(group) > 1:
+                    ax.fill_between(steps, lo, hi, color=colors[ber], alpha=0.15, linewidth=0)
+                plotted.extend(arr[np.isfinite(arr)].tolist())
+                initial.extend(arr[:, 0][np.isfinite(arr[:, 0])].tolist())
+        top = _robust_top(plotted, initial)
+        if top is not None:
+            ax.set_ylim(top=top)
+        ax.set_title(f"{mode_name(mode)}: training loss (mean over seeds, band = min..max)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def _plot_per_run(ax, rows: list[dict], field: str, color, clean_x: float | None, value=finite) -> list[float]:
+    """Per-run markers (ok: o, failed: x) of `field`; returns the values drawn. clean_x None skips BER 0."""
+    drawn = []
+    for r in rows:
+        v = value(r.get(field))
+        if v is None or (clean_x is None and ber_of(r) == 0):
+            continue
+        marker = OK_MARKER if is_ok(r) else FAILED_MARKER
+        ax.scatter([_x_of(ber_of(r), clean_x or 0.0)], [v], color=color, marker=marker, s=28,
+                   facecolors="none" if marker == OK_MARKER else color, zorder=3)
+        drawn.append(v)
+    return drawn
+
+
+def _plot_mean_line(ax, rows: list[dict], field: str, color, label: str, clean_x: float | None,
+                    value=finite, average=_mean) -> list[tuple[float, float]]:
+    """Line through the per-BER average of `field` over ok runs; returns the (BER, average) points."""
+    points = []
+    for ber, group in _by_ber([r for r in rows if is_ok(r)]).items():
+        if clean_x is None and ber == 0:
+            continue
+        avg = average([value(r.get(field)) for r in group])
+        if avg is not None:
+            points.append((ber, avg))
+    if points:
+        ax.plot([_x_of(b, clean_x or 0.0) for b, _ in points], [v for _, v in points], color=color,
+                linewidth=1.5, label=label, zorder=2)
+    return points
+
+
+def plot_eval_loss_vs_ber(rows: list[dict], path) -> Path | None:
+    """Final eval loss vs BER (log x), a panel per mode; the clean runs are a horizontal band (min..max of the
+    seeds, line at the mean). Failed runs without an eval loss are marked at the top edge."""
+    if not any(ber_of(r) > 0 for r in rows):
+        return None
+    all_configs = configs(rows)
+    colors = config_colors(all_configs)
+    panel_modes = [m for m in modes(rows) if any(r.get("mode") == m and ber_of(r) > 0 for r in rows)]
+    fig, axes = _figure(len(panel_modes))
+    for ax, mode in zip(axes, panel_modes):
+        drawn = []
+        for config in [c for c in all_configs if c[0] == mode]:
+            group = [r for r in rows if config_of(r) == config]
+            color, label = colors[config], config_label(config, all_configs)
+            clean = [v for r in group if ber_of(r) == 0 and is_ok(r)
+                     if (v := finite(r.get("final_eval_loss"))) is not None]
+            if clean:
+                ax.axhspan(min(clean), max(clean), color=color, alpha=0.15, linewidth=0)
+                ax.axhline(float(np.mean(clean)), color=color, linestyle="--", linewidth=1,
+                           label=f"{label} clean (BER 0), {len(clean)} seeds")
+            drawn += _plot_per_run(ax, group, "final_eval_loss", color, clean_x=None)
+            _plot_mean_line(ax, group, "final_eval_loss", color, f"{label}: mean of ok runs", clean_x=None)
+            no_loss = [r for r in group if ber_of(r) > 0 and finite(r.get("final_eval_loss")) is None]
+            if no_loss:  # x in data coordinates, y at the top edge of the axes
+                ax.scatter([ber_of(r) for r in no_loss], [0.97] * len(no_loss), transform=ax.get_xaxis_transform(),
+                           marker="v", color=color, s=30, label=f"{label}: no eval loss (failed)")
+        if mode in PUBLISHED_TOLERATED_BER:
+            ax.axvline(PUBLISHED_TOLERATED_BER[mode], color="gray", linestyle=":",
+                       label=f"published: {mode_name(mode)} fine below {ber_text(PUBLISHED_TOLERATED_BER[mode])}")
+        top = _robust_top(drawn, _initial_losses(rows, mode))
+        if top is not None:
+            ax.set_ylim(top=top)
+        ax.set_xscale("log")
+        _ber_ticks(ax, [ber_of(r) for r in rows if r.get("mode") == mode] + [PUBLISHED_TOLERATED_BER.get(mode, 0)],
+                   with_clean=False)
+        ax.set_title(f"{mode_name(mode)}: final eval loss vs BER"
+                     + ("\n(y cut at 1.5 x the initial loss)" if top is not None else ""), fontsize=10)
+        ax.set_xlabel("bit error rate (per bit)")
+        ax.set_ylabel("final eval loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(handles=ax.get_legend_handles_labels()[0] + _status_legend_handles(), fontsize=8)
+    return save_figure(fig, path)
+
+
+def _slope_half_reference(ax, points: list[tuple[float, float]], bers: list[float]) -> None:
+    """A line of slope 1/2 (deviation ~ sqrt(BER)) through the lowest-BER measured point."""
+    if not points or len(bers) < 2:
+        return
+    b0, y0 = points[0]
+    xs = np.array([min(bers), max(bers)])
+    ax.plot(xs, y0 * np.sqrt(xs / b0), color="gray", linestyle="--", linewidth=1, label="∝ √BER (slope 1/2)")
+
+
+def _plot_log_log_metric(rows: list[dict], path, field: str, ylabel: str, title: str,
+                         with_theory: bool) -> Path | None:
+    """Per-run markers and a geometric-mean line of a positive metric vs BER > 0, log-log, a panel per mode."""
+    data = [r for r in rows if ber_of(r) > 0 and positive(r.get(field)) is not None]
+    if not data:
+        return None
+    all_configs = configs(rows)
+    colors = config_colors(all_configs)
+    panel_modes = modes(data)
+    fig, axes = _figure(len(panel_modes))
+    for ax, mode in zip(axes, panel_modes):
+        mode_rows = [r for r in data if r.get("mode") == mode]
+        bers = sorted({ber_of(r) for r in mode_rows})
+        first_points = []
+        for config in [c for c in all_configs if c[0] == mode]:
+            group = [r for r in mode_rows if config_of(r) == config]
+            if not group:
+                continue
+            _plot_per_run(ax, group, field, colors[config], clean_x=None, value=positive)
+            first_points += _plot_mean_line(ax, group, field, colors[config],
+                                            f"{config_label(config, all_configs)}: geometric mean of ok runs",
+                                            clean_x=None, value=positive, average=_geomean)[:1]
+        _slope_half_reference(ax, sorted(first_points), bers)
+        note = ""
+        if with_theory:
+            note = _draw_theory_deviation(ax, rows, mode, bers)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        _ber_ticks(ax, bers, with_clean=False)
+        ax.set_title(f"{mode_name(mode)}: {title}" + (f"\n{note}" if note else ""), fontsize=10)
+        ax.set_xlabel("bit error rate (per bit)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(handles=ax.get_legend_handles_labels()[0] + _status_legend_handles(), fontsize=8)
+    return save_figure(fig, path)
+
+
+def _draw_theory_deviation(ax, rows: list[dict], mode: str, bers: list[float]) -> str:
+    """The analytical curve for DDP (gradient errors through the ring); returns a note for the title."""
+    if mode != "ddp":
+        return "(no analytical curve: the model covers DDP gradient errors only)"
+    setup = run_setup(rows, mode)
+    grid = np.logspace(math.log10(min(bers)) - 0.5, math.log10(max(bers)) + 0.5, 60)
+    est = theory_deviation(grid, setup)
+    if est is None:
+        return "no analytical curve: rows lack n_params, steps or lr"
+    shown = np.isfinite(est) & (est > 0)
+    if not shown.any():
+        return "analytical estimate: a run-ending event is expected at every BER (inf)"
+    clip = setup.get("grad_clip")
+    ax.plot(grid[shown], est[shown], color="black", linewidth=1.5,
+            label=f"theory (AdamW, clip {1.0 if clip is None else clip:g}, {setup.get('world_size', '?')} ranks)")
+    return ""
+
+
+def plot_deviation_vs_ber(rows: list[dict], path) -> Path | None:
+    """Final L2 distance of the weights from the clean run vs BER, log-log, with the analytical estimate (DDP)."""
+    return _plot_log_log_metric(rows, path, "final_deviation", "||w − w_clean|| at the end (L2, weight units)",
+                                "weight deviation from the clean run", with_theory=True)
+
+
+def plot_divergence_vs_ber(rows: list[dict], path) -> Path | None:
+    """DDP replica divergence (max over ranks of the L2 distance from rank 0) vs BER, log-log."""
+    ddp = [r for r in rows if r.get("mode") == "ddp"]
+    return _plot_log_log_metric(ddp, path, "final_replica_divergence", "max over ranks ||w_r − w_0|| (L2)",
+                                "replica divergence at the end", with_theory=False)
+
+
+def _plot_vs_ber_with_clean(rows: list[dict], path, value, ylabel: str, title: str,
+                            log_y_if_spread: bool, ylim=None, average=_mean) -> Path | None:
+    """One panel: a metric vs BER (BER 0 at the clean position), per-run markers and a line per config."""
+    data = [r for r in rows if value(r) is not None]
+    if not data:
+        return None
+    all_configs = configs(rows)
+    colors = config_colors(all_configs)
+    bers = sorted({ber_of(r) for r in data})
+    clean_x = _clean_x(bers)
+    fig, (ax,) = _figure(1, width=7.0)
+    values = []
+    for config in all_configs:
+        group = [r for r in data if config_of(r) == config]
+        if not group:
+            continue
+        wrapped = [{**r, "_v": value(r)} for r in group]  # the helpers read a field; give them the computed value
+        values += _plot_per_run(ax, wrapped, "_v", colors[config], clean_x)
+        _plot_mean_line(ax, wrapped, "_v", colors[config], config_label(config, all_configs), clean_x,
+                        average=average)
+    ax.set_xscale("log")
+    _ber_ticks(ax, bers, with_clean=any(b == 0 for b in bers))
+    positive_values = [v for v in values if v > 0]
+    if log_y_if_spread and positive_values and max(positive_values) > 20 * min(positive_values):
+        ax.set_yscale("log")
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    ax.set_xlabel("bit error rate (per bit; 0 = clean link)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(handles=ax.get_legend_handles_labels()[0] + _status_legend_handles(), fontsize=8)
+    return save_figure(fig, path)
+
+
+def plot_step_time_vs_ber(rows: list[dict], path) -> Path | None:
+    """Median step time (slowest rank) vs BER, per mode and checksum mode; line = median over ok runs."""
+    return _plot_vs_ber_with_clean(rows, path, lambda r: positive(r.get("median_step_time_s")),
+                                   "median step time (s, slowest rank)", "step time vs BER",
+                                   log_y_if_spread=True, average=_median)
+
+
+def skipped_fraction(row: dict) -> float | None:
+    """Skipped updates / steps the run completed (all steps when it did not report steps_completed)."""
+    skipped = finite(row.get("skipped_steps"))
+    steps = finite(row.get("steps_completed")) or finite(row.get("steps"))
+    if skipped is None or not steps:
+        return None
+    return skipped / steps
+
+
+def plot_skipped_vs_ber(rows: list[dict], path) -> Path | None:
+    """Fraction of updates skipped (non-finite loss or gradient) vs BER, per mode."""
+    return _plot_vs_ber_with_clean(rows, path, skipped_fraction, "skipped updates / completed steps",
+                                   "skipped updates vs BER", log_y_if_spread=False, ylim=(-0.03, 1.03))
+
+
+def _latency_style(entry: dict, colors: dict) -> tuple:
+    """(color, linestyle): no engine gray dotted, engine at BER 0 black, else the BER's color, keep dashed."""
+    if not entry.get("engine"):
+        return "gray", ":"
+    ber = finite(entry.get("ber")) or 0.0
+    return colors.get(ber, "black"), "--" if entry.get("checksum") == "keep" else "-"
+
+
+def latency_label(entry: dict) -> str:
+    """A configuration's name: its label, or one built from engine/BER/checksum."""
+    if entry.get("label"):
+        return str(entry["label"])
+    if not entry.get("engine"):
+        return "no engine"
+    ber = finite(entry.get("ber")) or 0.0
+    return f"engine BER {ber_text(ber)}" + (f" {entry['checksum']}" if entry.get("checksum") and ber > 0 else "")
+
+
+def plot_latency(latency: dict | None, path) -> Path | None:
+    """RTT empirical CDF per latency configuration (log x), p50 (o) and p99 (s) marked; configurations without
+    samples show their reported quantiles only."""
+    entries = [e for e in (latency or {}).get("results") or [] if isinstance(e, dict)]
+    if not entries:
+        return None
+    colors = ber_colors({finite(e.get("ber")) or 0.0 for e in entries})
+    fig, (ax,) = _figure(1, width=8.0, height=5.0)
+    drawn = False
+    for e in entries:
+        color, style = _latency_style(e, colors)
+        samples = np.sort([v for v in e.get("samples_us") or [] if positive(v) is not None])
+        p50, p99 = positive(e.get("p50_us")), positive(e.get("p99_us"))
+        if samples.size:
+            p50 = p50 or float(np.percentile(samples, 50))
+            p99 = p99 or float(np.percentile(samples, 99))
+            ax.step(samples, np.arange(1, samples.size + 1) / samples.size, where="post", color=color,
+                    linestyle=style, label=f"{latency_label(e)}: p50 {p50:.3g} µs, p99 {p99:.3g} µs")
+        else:
+            qs = [(v, q) for key, q in LATENCY_QUANTILES if (v := positive(e.get(key))) is not None]
+            if not qs:
+                continue
+            ax.plot([v for v, _ in qs], [q for _, q in qs], color=color, linestyle=style, marker=".",
+                    label=f"{latency_label(e)} (quantiles only)")
+        for value, q, marker in ((p50, 0.5, "o"), (p99, 0.99, "s")):
+            if value is not None:
+                ax.plot([value], [q], marker=marker, color=color, markersize=6, linestyle="")
+        drawn = True
+    if not drawn:
+        return None
+    for q in (0.5, 0.99):
+        ax.axhline(q, color="gray", linewidth=0.6, alpha=0.5)
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.01)
+    details = ([f"{latency['size']} B messages"] if latency.get("size") else []) + [
+        str(latency[k]) for k in ("topology", "link") if latency.get(k)]
+    ax.set_title("round-trip time per configuration" + (f" ({', '.join(details)})" if details else "")
+                 + "\n(o = p50, s = p99)", fontsize=10)
+    ax.set_xlabel("round-trip time (µs)")
+    ax.set_ylabel("fraction of round trips ≤ x")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="lower right")
+    return save_figure(fig, path)
+
+
+# file name -> (function, input): report.py draws them all in this order
+PLOTS = {
+    "loss_vs_step.png": (plot_loss_vs_step, "rows"),
+    "eval_loss_vs_ber.png": (plot_eval_loss_vs_ber, "rows"),
+    "deviation_vs_ber.png": (plot_deviation_vs_ber, "rows"),
+    "divergence_vs_ber.png": (plot_divergence_vs_ber, "rows"),
+    "step_time_vs_ber.png": (plot_step_time_vs_ber, "rows"),
+    "skipped_vs_ber.png": (plot_skipped_vs_ber, "rows"),
+    "latency.png": (plot_latency, "latency"),
+}
