@@ -6,6 +6,7 @@ Bit corruption is not here: it is the engine's job (testbed/engine), attached to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -24,33 +25,64 @@ class CapabilityMissing(RuntimeError):
     """The kernel or the system lacks something a topology asks for; the message says exactly what."""
 
 
+# Opening a netlink socket inside a namespace costs ~10 ms (pyroute2 forks a helper to get it); building a
+# topology makes hundreds of changes, so `batched()` keeps one socket per namespace open for a whole build.
+_open_sockets: dict[str, NetNS] | None = None
+
+
+@contextlib.contextmanager
+def batched():
+    global _open_sockets
+    if _open_sockets is not None:  # already batching
+        yield
+        return
+    _open_sockets = {}
+    try:
+        yield
+    finally:
+        for sock in _open_sockets.values():
+            sock.close()
+        _open_sockets = None
+
+
+@contextlib.contextmanager
+def _netns(path: str):
+    if _open_sockets is None:
+        with NetNS(path) as n:
+            yield n
+        return
+    if path not in _open_sockets:
+        _open_sockets[path] = NetNS(path)
+    yield _open_sockets[path]
+
+
 def add_veth(ns_a: str, if_a: str, ns_b: str, if_b: str, mtu: int) -> None:
     """A veth pair created directly with one end in each namespace: nothing ever appears in the root
     namespace, so names cannot collide with the host's own interfaces."""
-    with NetNS(ns_a) as a:
+    with _netns(ns_a) as a:
         a.link("add", ifname=if_a, kind="veth", peer={"ifname": if_b, "net_ns_fd": ns_b})
         idx = a.link_lookup(ifname=if_a)[0]
         a.link("set", index=idx, mtu=mtu, state="up")
-    with NetNS(ns_b) as b:
+    with _netns(ns_b) as b:
         idx = b.link_lookup(ifname=if_b)[0]
         b.link("set", index=idx, mtu=mtu, state="up")
 
 
 def add_address(ns: str, iface: str, address: str) -> None:
-    with NetNS(ns) as n:
+    with _netns(ns) as n:
         idx = n.link_lookup(ifname=iface)[0]
         ip, prefix = address.split("/")
         n.addr("add", index=idx, address=ip, prefixlen=int(prefix))
 
 
 def add_route(ns: str, dst: str, via: str, dev: str) -> None:
-    with NetNS(ns) as n:
+    with _netns(ns) as n:
         idx = n.link_lookup(ifname=dev)[0]
         n.route("add", dst=dst, gateway=via, oif=idx)
 
 
 def add_bridge(ns: str, name: str = BRIDGE) -> None:
-    with NetNS(ns) as n:
+    with _netns(ns) as n:
         # No STP (loops are refused at validation); ports forward at once.
         n.link("add", ifname=name, kind="bridge", br_stp_state=0, br_forward_delay=0)
         idx = n.link_lookup(ifname=name)[0]
@@ -58,7 +90,7 @@ def add_bridge(ns: str, name: str = BRIDGE) -> None:
 
 
 def enslave(ns: str, iface: str, bridge: str = BRIDGE) -> None:
-    with NetNS(ns) as n:
+    with _netns(ns) as n:
         br = n.link_lookup(ifname=bridge)[0]
         idx = n.link_lookup(ifname=iface)[0]
         n.link("set", index=idx, master=br)
@@ -80,7 +112,7 @@ def apply_impairment(ns: str, iface: str, imp: LinkImpairment, mtu: int) -> str:
     """Shape egress of `iface` in `ns` for one direction; returns a description of the qdiscs used."""
     if not (imp.rate_bps or imp.needs_netem):
         return "-"
-    with NetNS(ns) as n:
+    with _netns(ns) as n:
         idx = n.link_lookup(ifname=iface)[0]
         parent_kw: dict = {"handle": "1:"}
         used = []

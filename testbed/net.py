@@ -73,7 +73,8 @@ class Testbed:
                                up_pid=os.getpid(), capture=self.capture,
                                results_dir=str(self.results_dir) if self.results_dir else None)
         try:
-            self._build()
+            with link.batched():
+                self._build()
         except BaseException:
             self.down(save_stats=False)
             raise
