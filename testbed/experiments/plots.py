@@ -196,6 +196,14 @@ def _ber_ticks(ax, bers, with_clean: bool) -> None:
     ax.set_xlim(min(ticks) / 10**0.25, max(ticks) * 10**0.25)
 
 
+def _mark_at_top(ax, rows: list[dict], y_axes: float, marker: str, color, label: str) -> None:
+    """Markers at a BER, at a fixed height in axes coordinates: runs whose value cannot be drawn (none, or
+    beyond the cut y limit)."""
+    if rows:
+        ax.scatter([ber_of(r) for r in rows], [y_axes] * len(rows), transform=ax.get_xaxis_transform(),
+                   marker=marker, color=color, s=30, label=label)
+
+
 def _initial_losses(rows: list[dict], mode: str) -> list[float]:
     return [v for r in rows if r.get("mode") == mode and r.get("loss_curve")
             if (v := finite(r["loss_curve"][0])) is not None]
@@ -332,7 +340,9 @@ def plot_eval_loss_vs_ber(rows: list[dict], path) -> Path | None:
     panel_modes = [m for m in modes(rows) if any(r.get("mode") == m and ber_of(r) > 0 for r in rows)]
     fig, axes = _figure(len(panel_modes))
     for ax, mode in zip(axes, panel_modes):
-        drawn = []
+        losses = [v for r in rows if r.get("mode") == mode and ber_of(r) > 0
+                  if (v := finite(r.get("final_eval_loss"))) is not None]
+        top = _robust_top(losses, _initial_losses(rows, mode))
         for config in [c for c in all_configs if c[0] == mode]:
             group = [r for r in rows if config_of(r) == config]
             color, label = colors[config], config_label(config, all_configs)
@@ -342,16 +352,17 @@ def plot_eval_loss_vs_ber(rows: list[dict], path) -> Path | None:
                 ax.axhspan(min(clean), max(clean), color=color, alpha=0.15, linewidth=0)
                 ax.axhline(float(np.mean(clean)), color=color, linestyle="--", linewidth=1,
                            label=f"{label} clean (BER 0), {len(clean)} seeds")
-            drawn += _plot_per_run(ax, group, "final_eval_loss", color, clean_x=None)
+            _plot_per_run(ax, group, "final_eval_loss", color, clean_x=None)
             _plot_mean_line(ax, group, "final_eval_loss", color, f"{label}: mean of ok runs", clean_x=None)
-            no_loss = [r for r in group if ber_of(r) > 0 and finite(r.get("final_eval_loss")) is None]
-            if no_loss:  # x in data coordinates, y at the top edge of the axes
-                ax.scatter([ber_of(r) for r in no_loss], [0.97] * len(no_loss), transform=ax.get_xaxis_transform(),
-                           marker="v", color=color, s=30, label=f"{label}: no eval loss (failed)")
+            runs = [r for r in group if ber_of(r) > 0]
+            _mark_at_top(ax, [r for r in runs if finite(r.get("final_eval_loss")) is None], 0.97, "v", color,
+                         f"{label}: no eval loss (failed)")
+            if top is not None:
+                _mark_at_top(ax, [r for r in runs if (finite(r.get("final_eval_loss")) or 0) > top], 0.92, "^",
+                             color, f"{label}: eval loss above the cut")
         if mode in PUBLISHED_TOLERATED_BER:
             ax.axvline(PUBLISHED_TOLERATED_BER[mode], color="gray", linestyle=":",
                        label=f"published: {mode_name(mode)} fine below {ber_text(PUBLISHED_TOLERATED_BER[mode])}")
-        top = _robust_top(drawn, _initial_losses(rows, mode))
         if top is not None:
             ax.set_ylim(top=top)
         ax.set_xscale("log")

@@ -54,6 +54,7 @@ SUMMARY_COLUMNS = (
     "realized_ber", "nonfinite_received_total", "corrupted_values_total", "final_deviation",
     "final_replica_divergence", "n_params", "lr", "grad_clip", "wall_time_s", "finished_at", "image_digest",
 )
+LATENCY_STATS = ("p50_us", "p99_us", "mean_us")
 LINK_RATE_BPS, LINK_LENGTH_M = 100e9, 10.0  # the theory's link for the latency breakdown
 THEORY_FRAME_BYTES = (1500, 4096, 9000)
 
@@ -331,19 +332,18 @@ def _latency_entries(latency: dict | None) -> list[dict]:
 
 
 def retransmission_penalties(latency: dict | None) -> list[dict]:
-    """Per BER > 0 with both a 'fix' (errored frames delivered) and a 'keep' (dropped, retransmitted) entry:
-    keep - fix and keep / fix at p50 and p99."""
+    """Per BER measured with both 'fix' (errored frames delivered) and 'keep' (dropped and retransmitted):
+    keep - fix and keep / fix at p50, p99 and the mean. BER 0 is the control (no errors, so ~ x1)."""
     by_ber: dict[float, dict] = {}
     for e in _latency_entries(latency):
-        ber = finite(e.get("ber")) or 0.0
-        if e.get("engine") and ber > 0 and e.get("checksum") in ("fix", "keep"):
-            by_ber.setdefault(ber, {})[e["checksum"]] = e
+        if e.get("engine") and e.get("checksum") in ("fix", "keep"):
+            by_ber.setdefault(finite(e.get("ber")) or 0.0, {})[e["checksum"]] = e
     out = []
     for ber, pair in sorted(by_ber.items()):
         if len(pair) < 2:
             continue
-        row = {"ber": ber}
-        for q in ("p50_us", "p99_us"):
+        row = {"ber": ber, "keep_retrans_segs": pair["keep"].get("retrans_segs")}
+        for q in LATENCY_STATS:
             fix, keep = positive(pair["fix"].get(q)), positive(pair["keep"].get(q))
             row[q] = {"fix": fix, "keep": keep, "extra": keep - fix if fix and keep else None,
                       "ratio": keep / fix if fix and keep else None}
@@ -495,7 +495,7 @@ def _slope_sentence(label: str, d: dict) -> str:
     if fit is None:
         return f"{label}: deviations at one BER only, no slope."
     lo, hi = fit["ber_range"]
-    err = f" ± {fit['stderr']:.2f}" if fit["stderr"] is not None else ""
+    err = f" ± {fit['stderr']:.2g}" if fit["stderr"] is not None else ""
     text = (f"{label}: measured slope {fit['slope']:.2f}{err} (least squares on log-log, {fit['n_points']} ok runs, "
             f"BER {_fmt_ber(lo)}..{_fmt_ber(hi)}); sqrt(BER) means 0.50")
     if d["theory_slope"] is not None:
@@ -526,12 +526,36 @@ def deviation_section(rows: list[dict], fits: dict) -> list[str]:
     return out
 
 
-def _latency_row(e: dict) -> list[str]:
-    ber = finite(e.get("ber")) or 0.0
-    samples = e.get("samples_us")
-    return [latency_label(e), "yes" if e.get("engine") else "no", _fmt_ber(ber), str(e.get("checksum") or "—"),
-            *[_fmt(finite(e.get(k))) for k in ("p50_us", "p90_us", "p99_us", "p999_us", "mean_us", "max_us")],
-            str(len(samples)) if isinstance(samples, list) else _fmt(e.get("count"))]
+# optional latency.json counters (testbed bench latency) -> column title
+LATENCY_COUNTERS = {"bits_flipped": "bits flipped", "retrans_segs": "retransmitted segments",
+                    "in_csum_errors": "checksum drops", "rto_timeouts": "RTOs"}
+
+
+def _latency_table(entries: list[dict]) -> str:
+    counters = [k for k in LATENCY_COUNTERS if any(e.get(k) is not None for e in entries)]
+    with_errors = any(e.get("errors") for e in entries)
+    header = ["configuration", "BER", "checksum", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "mean µs", "max µs",
+              "samples"] + [LATENCY_COUNTERS[k] for k in counters] + (["errors"] if with_errors else [])
+    body = []
+    for e in entries:
+        samples = e.get("samples_us")
+        row = [latency_label(e), _fmt_ber(finite(e.get("ber")) or 0.0) if e.get("engine") else "(no engine)",
+               str(e.get("checksum") or "—"),
+               *[_fmt(finite(e.get(k))) for k in ("p50_us", "p90_us", "p99_us", "p999_us", "mean_us", "max_us")],
+               _fmt(len(samples) if isinstance(samples, list) else e.get("samples"))]
+        row += [_fmt(e.get(k)) for k in counters]
+        if with_errors:
+            row.append("; ".join(map(str, e.get("errors") or []))[:80].replace("|", "/"))
+        body.append(row)
+    return _table(header, body)
+
+
+def _penalty_table(penalties: list[dict]) -> str:
+    header = ["BER"] + [f"{q} {col}" for q in ("p50", "p99", "mean") for col in ("fix µs", "keep µs", "keep/fix")] \
+        + ["retransmitted segments (keep)"]
+    body = [[_fmt_ber(p["ber"])] + [_fmt(p[q][k]) for q in LATENCY_STATS for k in ("fix", "keep", "ratio")]
+            + [_fmt(p["keep_retrans_segs"])] for p in penalties]
+    return _table(header, body)
 
 
 def latency_section(latency: dict | None, plot_line: str) -> list[str]:
@@ -539,36 +563,25 @@ def latency_section(latency: dict | None, plot_line: str) -> list[str]:
     entries = _latency_entries(latency)
     if not entries:
         return out + ["No latency measurements: latency.json is missing or empty (the experiment file has no "
-                      "`latency:` section, or `testbed bench latency` did not finish).", ""]
-    where = ", ".join(f"{k} {latency[k]}" for k in ("topology", "link", "size", "count") if latency.get(k))
-    out += [f"Round trips over one emulated link ({where}); `fix` delivers errored frames with a repaired "
-            "checksum (a relaxed link), `keep` leaves the checksum wrong so the kernel drops the segment and TCP "
-            "retransmits it.", ""]
-    header = ["configuration", "engine", "BER", "checksum", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "mean µs",
-              "max µs", "samples"]
-    out += [_table(header, [_latency_row(e) for e in entries]), ""]
-    out += _latency_headlines(entries)
-    return out + [plot_line, ""]
-
-
-def _latency_headlines(entries: list[dict]) -> list[str]:
-    out = []
+                      "`latency:` section, or `testbed bench latency` did not finish).", "", plot_line, ""]
+    where = ", ".join(f"{k} {latency[k]}" for k in ("topology", "link", "runtime", "size", "count")
+                      if latency.get(k))
+    out += [f"Ping-pong round trips over one emulated link ({where}); `fix` delivers errored frames with a "
+            "repaired checksum (a relaxed link), `keep` leaves the checksum wrong, so the kernel drops the segment "
+            "and TCP retransmits it.", "", _latency_table(entries), ""]
     none = next((e for e in entries if not e.get("engine")), None)
     engine0 = next((e for e in entries if e.get("engine") and not finite(e.get("ber"))), None)
     if none and engine0 and positive(none.get("p50_us")) and positive(engine0.get("p50_us")):
-        out.append(f"- Engine overhead at BER 0: p50 {_fmt(engine0['p50_us'])} µs vs {_fmt(none['p50_us'])} µs "
-                   f"without the engine ({_fmt_signed(engine0['p50_us'] - none['p50_us'])} µs).")
-    penalties = retransmission_penalties({"results": entries})
-    for pen in penalties:
-        p50, p99 = pen["p50_us"], pen["p99_us"]
-        out.append(f"- **Retransmission penalty at BER {_fmt_ber(pen['ber'])}: p50 {_fmt(p50['keep'])} µs (keep) vs "
-                   f"{_fmt(p50['fix'])} µs (fix), {_fmt_signed(p50['extra'])} µs (x{_fmt(p50['ratio'])}); p99 "
-                   f"{_fmt(p99['keep'])} vs {_fmt(p99['fix'])} µs, {_fmt_signed(p99['extra'])} µs "
-                   f"(x{_fmt(p99['ratio'])}).**")
-    if not penalties:
-        out.append("- No BER was measured with both `fix` and `keep`, so there is no retransmission penalty to "
-                   "report.")
-    return out + [""]
+        out += [f"Engine overhead at BER 0: p50 {_fmt(engine0['p50_us'])} µs vs {_fmt(none['p50_us'])} µs without "
+                f"the engine ({_fmt_signed(engine0['p50_us'] - none['p50_us'])} µs).", ""]
+    penalties = retransmission_penalties(latency)
+    if any(p["ber"] > 0 for p in penalties):
+        out += ["Retransmission penalty, keep against fix at the same BER (BER 0 is the control):", "",
+                _penalty_table(penalties), "", _latency_finding(max(penalties, key=lambda p: p["ber"]))[2:], ""]
+    else:
+        out += ["No BER > 0 was measured with both `fix` and `keep`, so there is no retransmission penalty to "
+                "report.", ""]
+    return out + [plot_line, ""]
 
 
 def theory_latency_section(latency: dict | None) -> list[str]:
@@ -638,13 +651,20 @@ def _plot_line(name: str, drawn: dict) -> str:
     return f"*{title}: not drawn, {missing}.*"
 
 
+def _timestamp(value) -> str:
+    """finished_at as local ISO time: the runner writes epoch seconds; text passes through."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return datetime.fromtimestamp(value).astimezone().isoformat(timespec="seconds")
+    return str(value)
+
+
 def _setup_section(rows: list[dict], exp: dict, latency: dict | None) -> list[str]:
     first = rows[0] if rows else {}
     grid = exp.get("grid") or {}
     train = {k: v for k, v in (exp.get("train") or {}).items() if v is not None}
     topologies = exp.get("topologies") or {m: r.get("topology") for r in rows for m in [r.get("mode")]}
     worlds = {r.get("mode"): r.get("world_size") for r in rows if r.get("world_size")}
-    finished = sorted(str(r["finished_at"]) for r in rows if r.get("finished_at"))
+    finished = sorted(_timestamp(r["finished_at"]) for r in rows if r.get("finished_at"))
     wall = _sum_or_none(_values(rows, "wall_time_s"))
     digests = sorted({str(r["image_digest"]) for r in rows if r.get("image_digest")})
     u = platform.uname()
@@ -680,17 +700,18 @@ def _setup_section(rows: list[dict], exp: dict, latency: dict | None) -> list[st
 
 
 def _latency_finding(pen: dict) -> str:
-    """The retransmission penalty at the highest BER measured with both fix and keep, as a saving."""
-    p50, p99 = pen["p50_us"], pen["p99_us"]
+    """The retransmission penalty at one BER (the highest measured with both fix and keep), as a saving."""
+    p50, p99, mean = pen["p50_us"], pen["p99_us"], pen["mean_us"]
     if p50["extra"] is None or p99["extra"] is None:
         return f"- Latency at BER {_fmt_ber(pen['ber'])}: fix or keep lacks p50/p99, no penalty computed."
     if p50["extra"] <= 0 and p99["extra"] <= 0:
         return (f"- At BER {_fmt_ber(pen['ber'])} retransmission (keep) costs no measurable latency over delivering "
                 f"errored frames (fix): p50 {_fmt(p50['keep'])} vs {_fmt(p50['fix'])} µs, p99 {_fmt(p99['keep'])} "
                 f"vs {_fmt(p99['fix'])} µs.")
-    return (f"- Delivering errored frames (fix) instead of retransmitting them (keep) saves "
+    mean_text = f", {_fmt(mean['extra'])} µs on average" if mean["extra"] is not None else ""
+    return (f"- **Delivering errored frames (fix) instead of retransmitting them (keep) saves "
             f"{_fmt(p50['extra'])} µs at p50 (keep/fix x{_fmt(p50['ratio'])}) and {_fmt(p99['extra'])} µs at p99 "
-            f"(x{_fmt(p99['ratio'])}) per round trip at BER {_fmt_ber(pen['ber'])}.")
+            f"(x{_fmt(p99['ratio'])}){mean_text} per round trip at BER {_fmt_ber(pen['ber'])}.**")
 
 
 def _findings(rows, th: dict, fits: dict, latency) -> list[str]:
@@ -706,7 +727,7 @@ def _findings(rows, th: dict, fits: dict, latency) -> list[str]:
     out += ["- " + threshold_sentence(t) for t in th.values()]
     all_configs = configs(rows)
     out += ["- Weight deviation, " + _slope_sentence(config_label(d["config"], all_configs), d) for d in fits.values()]
-    penalties = retransmission_penalties(latency)
+    penalties = [p for p in retransmission_penalties(latency) if p["ber"] > 0]
     if penalties:
         out.append(_latency_finding(penalties[-1]))
     elif not _latency_entries(latency):

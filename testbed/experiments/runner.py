@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import shutil
 import sys
 import time
@@ -96,6 +97,9 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         "nonfinite_received_total": summary.get("nonfinite_received_total"),
         "corrupted_values_total": summary.get("corrupted_values_total"),
         "collectives": DEFAULT_COLLECTIVES[point.mode] if point.scope == "tensor" else None,
+        "batch_size": cfg_field(summary, "batch_size"), "seq_len": cfg_field(summary, "seq_len"),
+        "microbatches": cfg_field(summary, "microbatches"),
+        "machine": {"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
         "n_params": param_count(exp.spec.model), "lr": exp.spec.train.lr or WORKER_DEFAULT_LR,
         "grad_clip": exp.spec.train.grad_clip if exp.spec.train.grad_clip is not None else WORKER_DEFAULT_CLIP,
         "deviation_curve": [], "final_deviation": None, "replica_divergence_curve": [],
@@ -125,6 +129,21 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         if div["final"]:
             row["final_replica_divergence"] = _finite(max(v["l2"] for v in div["final"].values()))
     return row
+
+
+def cfg_field(summary: dict, key: str):
+    """A worker setting as the run used it (explicit in the experiment, else the worker's default)."""
+    v = (summary.get("config") or {}).get(key)
+    if v is None and key in ("batch_size", "seq_len", "microbatches"):
+        from ..train.worker import build_parser
+        defaults = build_parser().parse_args(["--mode", summary.get("mode") or "ddp", "--steps", "1", "--out", "."])
+        v = getattr(defaults, key)
+        if key == "seq_len" and v is None:
+            from ..train.model import PRESETS
+            v = PRESETS[summary.get("model") or "tiny"][3]
+        if key == "microbatches" and v is None and summary.get("mode") == "pp":
+            v = summary.get("world_size")
+    return v
 
 
 def _read_jsonl(path: Path) -> list[dict]:

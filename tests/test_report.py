@@ -1,0 +1,364 @@
+"""Report and plots of an experiment (testbed/experiments/report.py, plots.py): pure logic on synthetic
+results.jsonl rows shaped like a real run (tiny GPT-2, 30 steps, DDP and PP on 2 hosts, BER 0/1e-6/1e-5/1e-4,
+2 seeds, some runs crashed or diverged with null fields), plus valid PNGs and the report's key table."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+from testbed.experiments import plots, report
+
+TINY_PARAMS = 236_928
+STEPS = 30
+BERS = (0.0, 1e-6, 1e-5, 1e-4)
+SEEDS = (1, 2)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# what goes wrong where (mode, BER, seed) -> status; everything else is ok
+FAILURES = {("pp", 1e-5, 2): "crashed", ("pp", 1e-4, 1): "diverged", ("pp", 1e-4, 2): "crashed"}
+# extra eval loss a BER costs (DDP at 1e-4 completes but learns much less: a gap, not a crash)
+PENALTY = {("ddp", 1e-4): 0.8, ("pp", 1e-6): 0.01}
+
+
+def _loss_curve(final: float, rng, steps: int = STEPS, stop: int | None = None) -> list:
+    start = math.log(512)  # tiny's vocabulary: the initial loss of a uniform prediction
+    curve = [final + (start - final) * math.exp(-s / 8) + rng.normal(0, 0.03) for s in range(steps)]
+    return curve[:stop] if stop is not None else curve
+
+
+def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: str = "fix") -> dict:
+    """One results.jsonl row (docs/experiments.md) with realistic values; failed runs have null fields."""
+    rng = np.random.default_rng([int(ber * 1e7), seed, len(mode)])
+    status = FAILURES.get((mode, ber, seed), "ok")
+    ok = status == "ok"
+    final_eval = 4.6 + 0.02 * seed + PENALTY.get((mode, ber), 0.0) + (0.1 if mode == "pp" else 0.0)
+    stop = None if ok else 12
+    curve = _loss_curve(final_eval - 0.05, rng, stop=stop)
+    if status == "diverged":
+        curve[-1] = None  # non-finite loss
+    bits_seen = 2 * TINY_PARAMS * 32 * (STEPS if ok else 12)
+    deviation = 0.3 * math.sqrt(ber / 1e-6) * (1 + 0.05 * seed) if ber > 0 else 0.0
+    point = f"{mode}-ber{ber:g}-{scope}-{checksum}-s{seed}"
+    return {
+        "point": point, "baseline": f"{mode}-ber0-{scope}-{checksum}-s{seed}", "experiment": "quick",
+        "fingerprint": "0123456789abcdef", "mode": mode, "ber": ber, "scope": scope, "checksum": checksum,
+        "seed": seed, "model": "tiny", "steps": STEPS, "topology": "pair", "runtime": "netns", "world_size": 2,
+        "status": status, "reason": None if ok else f"rank 1 {status} at step 12",
+        "steps_completed": STEPS if ok else 12,
+        "skipped_steps": (3 if (mode, ber) == ("ddp", 1e-4) else 0) if ok else None,
+        "final_loss": curve[-1] if ok else None, "final_eval_loss": final_eval if ok else None,
+        "loss_curve": curve, "eval_curve": [[10, 5.2], [20, 4.8]] + ([[30, final_eval]] if ok else []),
+        "grad_norm_curve": [1.0] * len(curve), "step_time_curve": [0.05] * len(curve),
+        "median_step_time_s": 0.05 * (1 + 10 * ber * 1e3) if ok else None, "median_comm_time_s": 0.01,
+        "bits_seen": bits_seen, "bits_flipped": round(ber * bits_seen), "realized_ber": ber,
+        "nonfinite_received_total": 0, "corrupted_values_total": round(ber * bits_seen / 2),
+        "deviation_curve": [[s, deviation * s / STEPS] for s in range(0, STEPS, 10)],
+        "final_deviation": deviation if ok else None,
+        "replica_divergence_curve": [],
+        "final_replica_divergence": (deviation / 3 if ber > 0 else 0.0) if ok and mode == "ddp" else None,
+        "n_params": TINY_PARAMS, "lr": 1e-3, "grad_clip": 1.0,
+        "wall_time_s": 40.0, "finished_at": 1.7e9 + 60 * seed, "image_digest": None,
+    }
+
+
+def make_rows(modes=("ddp", "pp")) -> list[dict]:
+    return [make_row(m, b, s) for m in modes for b in BERS for s in SEEDS]
+
+
+def make_latency() -> dict:
+    """latency.json as `testbed bench latency` writes it: no engine, engine at BER 0 (fix, keep), then fix and
+    keep per BER; keep at 1e-5 waits for TCP's 200 ms RTO in 5 % of round trips."""
+    rng = np.random.default_rng(0)
+
+    def entry(engine, ber, checksum, base_us, rto_fraction=0.0):
+        samples = base_us * rng.lognormal(0, 0.2, 500)
+        samples[: int(rto_fraction * 500)] += 200_000
+        label = "no engine" if not engine else f"engine ber 0{' keep' if checksum == 'keep' else ''}" if ber == 0 \
+            else f"ber {ber:g} {checksum}"
+        q = {f"p{k}_us": float(np.percentile(samples, p)) for k, p in (("50", 50), ("90", 90), ("99", 99),
+                                                                        ("999", 99.9))}
+        retrans = int(rto_fraction * 500) if checksum == "keep" else 0
+        return {"label": label, "engine": engine, "ber": ber, "checksum": checksum, **q,
+                "mean_us": float(samples.mean()), "max_us": float(samples.max()),
+                "bits_flipped": round(ber * 500 * 2 * 16384 * 8), "retrans_segs": retrans,
+                "in_csum_errors": retrans, "rto_timeouts": retrans, "scope": "payload" if engine else None,
+                "samples": 500, "errors": [], "samples_us": samples.tolist()}
+
+    return {"topology": "pair", "runtime": "netns", "link": "h1-h2", "size": 16384, "count": 500, "results": [
+        entry(False, 0.0, None, 60), entry(True, 0.0, "fix", 90), entry(True, 0.0, "keep", 90),
+        entry(True, 1e-6, "fix", 92), entry(True, 1e-6, "keep", 95, 0.002),
+        entry(True, 1e-5, "fix", 93), entry(True, 1e-5, "keep", 140, 0.05),
+    ]}
+
+
+def by_key(agg: list[dict]) -> dict:
+    return {(p["mode"], p["ber"]): p for p in agg}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs and summary.csv
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_load_results_tolerates_a_missing_file_and_a_torn_last_line(tmp_path):
+    assert report.load_results(tmp_path) == []
+    assert report.load_latency(tmp_path) is None
+    rows = make_rows(("ddp",))[:3]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"point": "ddp-ber1e-'  # writer killed mid-line
+    (tmp_path / "results.jsonl").write_text(text)
+    assert [r["point"] for r in report.load_results(tmp_path)] == [r["point"] for r in rows]
+    (tmp_path / "latency.json").write_text(json.dumps(make_latency()))
+    assert len(report.load_latency(tmp_path)["results"]) == 7
+
+
+def test_summary_csv_has_scalar_fields_in_a_stable_order(tmp_path):
+    rows = make_rows()
+    rows[0] = {**rows[0], "hostname": "h1", "engine_stats": {"h1": 3}}  # an extra scalar and a dict
+    path = report.write_summary_csv(list(reversed(rows)), tmp_path / "summary.csv")
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        lines = list(reader)
+    assert reader.fieldnames == list(report.SUMMARY_COLUMNS) + ["hostname"]
+    assert not {"loss_curve", "eval_curve", "deviation_curve", "engine_stats"} & set(reader.fieldnames)
+    assert len(lines) == len(rows)
+    # grid order whatever the input order: mode, scope, checksum, BER, seed
+    assert [(r["mode"], float(r["ber"]), r["seed"]) for r in lines[:3]] == [("ddp", 0.0, "1"), ("ddp", 0.0, "2"),
+                                                                             ("ddp", 1e-6, "1")]
+    crashed = next(r for r in lines if r["point"] == "pp-ber1e-05-tensor-fix-s2")
+    assert crashed["status"] == "crashed" and crashed["final_eval_loss"] == "" and crashed["image_digest"] == ""
+    assert float(next(r for r in lines if r["point"] == "ddp-ber0.0001-tensor-fix-s1")["final_eval_loss"]) == \
+        pytest.approx(5.42)
+
+
+def test_summary_csv_of_no_rows_is_a_header(tmp_path):
+    path = report.write_summary_csv([], tmp_path / "summary.csv")
+    assert path.read_text().strip() == ",".join(report.SUMMARY_COLUMNS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# aggregate and thresholds
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_aggregate_per_point_statistics():
+    agg = report.aggregate(make_rows())
+    assert [(p["mode"], p["ber"]) for p in agg] == [(m, b) for m in ("ddp", "pp") for b in BERS]
+    pts = by_key(agg)
+    clean = pts[("ddp", 0.0)]
+    assert clean["n_seeds"] == 2 and clean["statuses"] == {"ok": 2} and clean["all_ok"]
+    assert clean["eval_loss_mean"] == pytest.approx(4.63) and clean["eval_loss_std"] == pytest.approx(0.01414, 1e-3)
+    assert clean["loss_gap"] == pytest.approx(0.0)
+    hot = pts[("ddp", 1e-4)]
+    assert hot["loss_gap"] == pytest.approx(0.8) and hot["loss_gap_rel"] == pytest.approx(0.8 / 4.63)
+    assert hot["skipped_steps_mean"] == 3 and hot["skipped_fraction_mean"] == pytest.approx(0.1)
+    assert hot["realized_ber"] == pytest.approx(1e-4, rel=1e-3)
+    assert hot["bits_flipped_total"] == sum(make_row("ddp", 1e-4, s)["bits_flipped"] for s in SEEDS)
+    assert hot["divergence_mean"] == pytest.approx(np.mean([make_row("ddp", 1e-4, s)["final_replica_divergence"]
+                                                            for s in SEEDS]))
+    # one seed crashed: quality metrics come from the ok seed alone, counters from both
+    half = pts[("pp", 1e-5)]
+    assert half["statuses"] == {"ok": 1, "crashed": 1} and not half["all_ok"]
+    assert half["eval_loss_n"] == 1 and half["eval_loss_std"] is None
+    assert half["eval_loss_mean"] == pytest.approx(make_row("pp", 1e-5, 1)["final_eval_loss"])
+    assert half["bits_seen_total"] == sum(make_row("pp", 1e-5, s)["bits_seen"] for s in SEEDS)
+    dead = pts[("pp", 1e-4)]
+    assert dead["statuses"] == {"diverged": 1, "crashed": 1}
+    assert dead["eval_loss_mean"] is None and dead["loss_gap"] is None and dead["median_step_time_s"] is None
+
+
+def test_aggregate_without_a_clean_point_has_no_gap():
+    agg = report.aggregate([r for r in make_rows(("ddp",)) if r["ber"] > 0])
+    assert all(p["loss_gap"] is None and p["clean_eval_loss_mean"] is None for p in agg)
+    th = report.thresholds(agg)["ddp/tensor/fix"]
+    assert th["max_ok_ber"] is None and th["min_fail_ber"] is None and "no clean" in th["note"]
+
+
+def test_thresholds_find_the_last_passing_and_first_failing_ber():
+    th = report.thresholds(report.aggregate(make_rows()))
+    assert set(th) == {"ddp/tensor/fix", "pp/tensor/fix"}
+    ddp, pp = th["ddp/tensor/fix"], th["pp/tensor/fix"]
+    # DDP completes everywhere but loses 0.8 nats at 1e-4: a loss-gap failure
+    assert (ddp["max_ok_ber"], ddp["min_fail_ber"]) == (1e-5, 1e-4)
+    assert "gap" in ddp["failing"][1e-4]
+    # tolerance = max(2 % of the clean mean, 3 x the clean seeds' stdev)
+    assert ddp["tolerance_abs"] == pytest.approx(max(0.02 * 4.63, 3 * 0.01414), rel=1e-3)
+    # PP: one crashed seed at 1e-5 fails the point even though the ok seed's loss is fine
+    assert (pp["max_ok_ber"], pp["min_fail_ber"]) == (1e-6, 1e-5)
+    assert pp["failing"][1e-5] == "1 crashed" and not pp["non_monotonic"]
+    assert pp["published_ber"] == 1e-5 and ddp["published_ber"] == 1e-4
+    # theory: one catastrophic value per step; for the tiny model on 2 hosts, between 1e-7 and 1e-4
+    for t in (ddp, pp):
+        assert 1e-7 < t["theory_ber"] < 1e-4 and t["theory_basis"]
+
+
+def test_threshold_tolerance_follows_the_clean_seed_noise():
+    rows = make_rows(("ddp",))
+    for r in rows:  # clean seeds 0.5 apart: 3 stdev = 1.06 nats, more than the 0.8 gap at 1e-4
+        if r["ber"] == 0 and r["seed"] == 2:
+            r["final_eval_loss"] += 0.48
+    th = report.thresholds(report.aggregate(rows))["ddp/tensor/fix"]
+    assert th["tolerance_abs"] == pytest.approx(3 * 0.5 / math.sqrt(2), rel=1e-3)
+    assert (th["max_ok_ber"], th["min_fail_ber"]) == (1e-4, None)
+    assert report.thresholds(report.aggregate(rows), tolerance=0.02, n_std=0)["ddp/tensor/fix"]["min_fail_ber"] \
+        == 1e-4
+
+
+def test_thresholds_flag_a_ber_that_passes_again_above_a_failure():
+    rows = make_rows(("ddp",))
+    for r in rows:
+        if r["ber"] == 1e-6 and r["seed"] == 1:
+            r.update(status="hung", final_eval_loss=None)
+    th = report.thresholds(report.aggregate(rows))["ddp/tensor/fix"]
+    assert th["max_ok_ber"] is None and th["min_fail_ber"] == 1e-6 and th["non_monotonic"]
+    assert th["passing_bers"] == [1e-5]
+    assert "non-monotonic" in report.threshold_sentence(th)
+
+
+def test_thresholds_when_the_clean_runs_failed_and_for_checksum_keep():
+    rows = [{**r, "status": "crashed", "final_eval_loss": None} for r in make_rows(("pp",))]
+    th = report.thresholds(report.aggregate(rows))["pp/tensor/fix"]
+    assert th["tolerance_abs"] is None and "not all ok" in th["note"]
+    assert "no threshold" in report.threshold_sentence(th)
+    keep = [make_row("ddp", b, s, checksum="keep") for b in BERS for s in SEEDS]
+    th = report.thresholds(report.aggregate(keep))["ddp/tensor/keep"]
+    assert th["theory_ber"] is None and "retransmitted" in th["theory_basis"]
+
+
+def test_theory_threshold_matches_theory_py():
+    from testbed.experiments import theory
+    ber, _ = report.theory_threshold("ddp", "fix", {"n_params": theory.GPT2_124M_PARAMS, "world_size": 4})
+    assert ber == pytest.approx(1.79e-9, rel=0.01)  # docs/theory.md: 4 ranks, GPT-2 124M
+    ber, _ = report.theory_threshold("pp", "fix", {"model": "gpt2-124m", "world_size": 2, "batch_size": 8,
+                                                   "seq_len": 1024})
+    assert ber == pytest.approx(8.33e-8, rel=0.01)  # docs/theory.md: 2 stages, B 8 x T 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Deviation fit, latency penalty
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_deviation_fit_recovers_the_sqrt_slope_and_carries_the_theory():
+    fits = report.deviation_fits(make_rows())
+    ddp = fits["ddp/tensor/fix"]
+    assert ddp["fit"]["slope"] == pytest.approx(0.5, abs=0.02) and ddp["fit"]["n_points"] == 6
+    assert [p["ber"] for p in ddp["per_ber"]] == [1e-6, 1e-5, 1e-4]
+    assert all(p["theory"] > 0 for p in ddp["per_ber"]) and ddp["theory_slope"] is not None
+    pp = fits["pp/tensor/fix"]  # PP at 1e-4 has no ok run; no analytical curve for PP
+    assert [p["ber"] for p in pp["per_ber"]] == [1e-6, 1e-5] and pp["per_ber"][0]["theory"] is None
+    assert pp["fit"]["slope"] == pytest.approx(0.5, abs=0.05)
+
+
+def test_theory_deviation_uses_the_runs_setup():
+    setup = plots.run_setup(make_rows(), "ddp")
+    assert setup == {"model": "tiny", "n_params": TINY_PARAMS, "steps": STEPS, "lr": 1e-3, "grad_clip": 1.0,
+                     "world_size": 2}
+    est = plots.theory_deviation([1e-8, 1e-6], setup)
+    assert est.shape == (2,) and 0 < est[0] < est[1]
+    assert plots.theory_deviation([1e-6], {"steps": 30}) is None
+
+
+def test_retransmission_penalty_compares_keep_with_fix_at_the_same_ber():
+    pens = report.retransmission_penalties(make_latency())
+    assert [p["ber"] for p in pens] == [0.0, 1e-6, 1e-5]  # BER 0: the control
+    assert pens[0]["p50_us"]["ratio"] == pytest.approx(1, abs=0.1)
+    hot = pens[2]["p99_us"]
+    assert hot["extra"] > 1e5 and hot["ratio"] > 100  # 5 % of round trips waited for the 200 ms RTO
+    assert report.retransmission_penalties(None) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# write_report: plots and report.md
+# ---------------------------------------------------------------------------------------------------------------
+
+def assert_valid_png(path):
+    import matplotlib.image
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE), path
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, path
+
+
+def test_write_report_full(tmp_path):
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_rows()))
+    (tmp_path / "latency.json").write_text(json.dumps(make_latency()))
+    (tmp_path / "experiment.yaml").write_text(
+        "name: quick\nmodel: tiny\nsteps: 30\ntopologies: {ddp: topologies/pair.yaml, pp: topologies/pair.yaml}\n"
+        "grid: {mode: [ddp, pp], ber: [0, 1e-6, 1e-5, 1e-4], seed: [1, 2]}\ntrain: {batch_size: 8, lr: 0.001}\n")
+    path = report.write_report(tmp_path)
+    assert path == tmp_path / "report.md"
+    for name in plots.PLOTS:
+        assert_valid_png(tmp_path / name)
+    md = path.read_text()
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temp files
+    assert "# Experiment quick" in md and "could not be drawn" not in md and "not drawn" not in md
+    assert ("| config | BER | seeds | status | eval loss (mean ± sd) | gap | gap % | skipped steps | deviation "
+            "| replica divergence | bits flipped | realized BER | step time (s) |") in md
+    assert "| DDP | 1e-04 | 2 | 2 ok | 5.430 ± 0.014 | +0.800 | +17.3 % | 3 |" in md
+    assert "| PP | 1e-04 | 2 | 1 diverged, 1 crashed | — |" in md
+    assert "**DDP** (tensor/fix) trains as well as on a clean link up to BER 1e-05 and fails from 1e-04" in md
+    assert "consistent with the published analysis of GPT-2 124M (PP fine below 1e-05)" in md
+    assert "measured slope 0.50" in md
+    assert "| ber 1e-05 keep | 1e-05 | keep |" in md and "| engine ber 0 keep | 0 | keep |" in md
+    assert "**Delivering errored frames (fix) instead of retransmitting them (keep) saves" in md
+    assert "Retransmission penalty, keep against fix" in md
+    assert "| frame (B) | BER |" in md and "KP4" in md
+    for name in plots.PLOTS:
+        assert f"]({name})" in md
+    assert "testbed report DIR" in md and "Grid: mode ddp, pp" in md
+    assert (tmp_path / "summary.csv").read_text().count("\n") == len(make_rows()) + 1
+
+
+def test_write_report_renders_missing_data_as_sentences(tmp_path):
+    empty = tmp_path / "empty"
+    md = report.write_report(empty).read_text()
+    assert "No results" in md and "latency.json is missing" in md and "not drawn" in md
+    assert not list(empty.glob("*.png"))
+
+    ddp_only = tmp_path / "ddp"
+    md = report.write_report(ddp_only, rows=make_rows(("ddp",))).read_text()
+    assert "No PP points in this experiment." in md and "No latency measurements" in md
+    assert "| DDP | 1e-04 |" in md and "| PP |" not in md
+    assert (ddp_only / "eval_loss_vs_ber.png").exists() and not (ddp_only / "latency.png").exists()
+
+    crashed = tmp_path / "crashed"
+    rows = [{**r, "status": "crashed", "final_eval_loss": None, "final_loss": None, "final_deviation": None,
+             "final_replica_divergence": None, "median_step_time_s": None, "skipped_steps": None,
+             "loss_curve": r["loss_curve"][:5]} for r in make_rows()]
+    md = report.write_report(crashed, rows=rows, latency={"results": []}).read_text()
+    assert "No run finished with status ok" in md and "no threshold" in md
+    assert "nothing to compare" in md and "could not be drawn" not in md
+    assert_valid_png(crashed / "loss_vs_step.png")  # curves up to the crash are still worth seeing
+
+
+def test_main_writes_the_report(tmp_path, capsys):
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_rows(("pp",))))
+    assert report.main([str(tmp_path), "--tolerance", "0.05"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "report.md")
+    md = (tmp_path / "report.md").read_text()
+    assert "max(0.05 x the clean mean" in md and "No DDP points" in md
+
+
+def test_plots_return_none_when_there_is_nothing_to_plot(tmp_path):
+    pp_only = make_rows(("pp",))
+    assert plots.plot_divergence_vs_ber(pp_only, tmp_path / "d.png") is None  # divergence is DDP only
+    assert plots.plot_latency(None, tmp_path / "l.png") is None
+    assert plots.plot_latency({"results": [{"label": "no engine", "engine": False}]}, tmp_path / "l.png") is None
+    clean_only = [r for r in pp_only if r["ber"] == 0]
+    assert plots.plot_eval_loss_vs_ber(clean_only, tmp_path / "e.png") is None
+    assert plots.plot_deviation_vs_ber(clean_only, tmp_path / "v.png") is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_plots_survive_exploded_and_non_finite_values(tmp_path):
+    rows = make_rows(("ddp",))
+    blown = next(r for r in rows if r["ber"] == 1e-4 and r["seed"] == 1)
+    blown.update(final_eval_loss=1e6, loss_curve=blown["loss_curve"][:10] + [float("nan"), 3e7, None],
+                 median_step_time_s=float("inf"), final_deviation=float("nan"))
+    latency = make_latency()
+    latency["results"][0]["samples_us"] = None  # quantiles only
+    for name, (fn, source) in plots.PLOTS.items():
+        path = fn(rows if source == "rows" else latency, tmp_path / name)
+        assert path == tmp_path / name
+        assert_valid_png(path)
