@@ -46,9 +46,13 @@ docker-engine:
 image: deps docker-engine
 	$(VENV)/bin/testbed image build
 
+# The main job: experiments/quick.yaml (tiny GPT-2, DDP and PP, four BERs, the fix/keep latency comparison),
+# about 5-8 minutes on 2 cores. Re-running resumes: finished points are kept.
+DEMO_OUT ?= demo-out
 demo: deps
 	$(VENV)/bin/testbed doctor || true
-	$(PY) -m testbed.demo
+	$(VENV)/bin/testbed run experiments/quick.yaml --out $(DEMO_OUT)
+	@echo; echo "report: $(abspath $(DEMO_OUT))/report.md (plots and summary.csv beside it)"
 
 test: deps docker-engine
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
