@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -444,7 +444,7 @@ def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None
             for c in cfgs:
                 if c["engine"]:
                     tb.set_link(l.name, ber=c["ber"], checksum=c["checksum"], scope="payload")
-                ctx = _detached(tb, l.name) if not c["engine"] else _nullcontext()
+                ctx = _detached(tb, l.name) if not c["engine"] else nullcontext()
                 with ctx:
                     e0, s0 = _engine_counters(tb, {l.name}), {h: _snmp(tb, h) for h in hosts}
                     err = None
@@ -496,11 +496,6 @@ def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
-
-
-@contextmanager
-def _nullcontext():
-    yield
 
 
 def latency_table(doc: dict) -> str:

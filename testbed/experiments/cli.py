@@ -67,6 +67,9 @@ def cmd_report(args) -> int:
 
 
 def register(sub) -> None:
+    from .bench import register_bench
+
+    register_bench(sub)
     s = sub.add_parser("run", help="run an experiment (a grid of training points) and write its report",
                        description="Run every point of EXPERIMENT's grid (BER x mode x scope x checksum x seed), one "
                                    "after another, each on a fresh topology; then summary.csv, plots and report.md. "
