@@ -11,7 +11,7 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod
 PYTEST_ARGS ?=
 
-.PHONY: all deps system-deps python-deps docker-engine image demo test bench clean-testbed help
+.PHONY: all deps system-deps python-deps docker-engine image demo test test-all bench clean-testbed help
 
 help:
 	@echo "make demo   install what is missing, then run the main job"
@@ -56,6 +56,10 @@ demo: deps
 
 test: deps docker-engine
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# Everything, the GPT-2 124M tests (marked slow, ~1 min) included.
+test-all: deps docker-engine
+	$(PY) -m pytest -q -m "" $(PYTEST_ARGS) tests
 
 bench: deps
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -75,6 +75,18 @@ def test_two_point_experiment_outputs(tmp_path, runtime):
     for row in rows:
         assert (out / row["run_dir"] / "metrics.jsonl").exists()
 
+    # `testbed report` rebuilds everything from results.jsonl alone (no run directories).
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(out / "results.jsonl", alone)
+    r = tb_cli("report", str(alone))
+    assert r.returncode == 0, r.stderr
+    assert (alone / "report.md").read_text().splitlines()[0].startswith("# ")
+    assert (alone / "summary.csv").exists()
+    assert_valid_pngs(alone, at_least=4)
+    r = tb_cli("report", str(tmp_path / "nothing"))
+    assert r.returncode == 2 and "no results.jsonl" in r.stderr
+
 
 def test_sigint_then_rerun_completes_only_missing_points(tmp_path):
     exp = experiment(tmp_path, "intr", "0, 1e-6, 1e-5", steps=6)
@@ -104,22 +116,6 @@ def test_sigint_then_rerun_completes_only_missing_points(tmp_path):
     assert [x["point"] for x in final] == ["ddp-ber0-tensor-fix-s1", "ddp-ber1e-6-tensor-fix-s1",
                                            "ddp-ber1e-5-tensor-fix-s1"]
     assert final[: len(first)] == first  # finished points were not run again
-
-
-def test_report_rebuilds_from_results_alone(tmp_path):
-    out = tmp_path / "out"
-    r = tb_cli("run", str(experiment(tmp_path, "rep", "0, 1e-5")), "--out", str(out), timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    alone = tmp_path / "alone"
-    alone.mkdir()
-    shutil.copy(out / "results.jsonl", alone)
-    r = tb_cli("report", str(alone))
-    assert r.returncode == 0, r.stderr
-    assert (alone / "report.md").read_text().splitlines()[0].startswith("# ")
-    assert (alone / "summary.csv").exists()
-    assert_valid_pngs(alone, at_least=4)
-    r = tb_cli("report", str(tmp_path / "nothing"))
-    assert r.returncode == 2 and "no results.jsonl" in r.stderr
 
 
 def test_bad_experiment_file_is_a_clear_error(tmp_path):

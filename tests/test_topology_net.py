@@ -185,3 +185,36 @@ topology:
             assert not leftovers(name)
     finally:
         tb_cli("down", name)
+
+
+def test_offloads_and_mtu_are_applied(load_topology, runtime, tmp_path):
+    from testbed.topo import Topology
+
+    f = tmp_path / "off.yaml"
+    f.write_text(f"""name: {unique_name("off")}
+topology:
+  nodes: {{a: {{}}, b: {{}}}}
+  links:
+    - endpoints: [a:eth1, b:eth1]
+      mtu: 9000
+      offloads: {{tso: false, tx_checksum: false}}
+""")
+    with running(Topology.load(f), runtime=runtime) as tb:
+        for h in ("a", "b"):
+            link = tb.run(h, ["ip", "-o", "link", "show", "eth1"], check=True).stdout
+            assert "mtu 9000" in link
+            feats = tb.run(h, ["ethtool", "-k", "eth1"], check=True).stdout
+            assert "tcp-segmentation-offload: off" in feats and "tx-checksumming: off" in feats
+
+
+def test_doctor_reports_every_capability():
+    r = tb_cli("doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    for name in ("root", "netns", "veth", "bridge", "tbf", "netem", "nfqueue", "nsenter", "docker"):
+        assert name in checks and checks[name]["detail"]
+    assert r.returncode == (0 if all(c["ok"] for c in checks.values() if c["essential"]) else 1)
+    assert checks["netns"]["ok"] and checks["veth"]["ok"] and checks["nfqueue"]["ok"]
+    if not checks["netem"]["ok"]:
+        assert "refused" in checks["netem"]["detail"]
+    text = tb_cli("doctor").stdout
+    assert "essentials" in text
