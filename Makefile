@@ -34,7 +34,6 @@ python-deps: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PIP_EXTRA) -c constraints.txt -e '.[test]'
 	@touch $@
 

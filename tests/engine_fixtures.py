@@ -7,13 +7,11 @@ Namespaces are named ``tbE-<hex>-a`` / ``tbE-<hex>-b`` (the engine tests' own pr
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 from pyroute2 import NetNS, netns
 
 from testbed.engine.manager import EngineSpec, engine_alive, start_engine, stop_engine
+from testbed.engine.probe import read_json_line  # noqa: F401  (tests import it from here)
 
 PREFIX = "tbE"
 ADDR = {"a": "10.99.0.1", "b": "10.99.0.2"}
@@ -176,30 +175,6 @@ def veth_link(mtu: int = 1500):
         yield link
     finally:
         link.close()
-
-
-def read_json_line(proc: subprocess.Popen, key: str, timeout: float = 30) -> dict:
-    """Read stdout lines of ``proc`` until a JSON object with ``key`` (raise with its stderr on EOF/timeout)."""
-    import select
-
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no {key!r} line from pid {proc.pid} within {timeout} s")
-        r, _, _ = select.select([proc.stdout], [], [], left)
-        if not r:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"pid {proc.pid} ended without a {key!r} line; stderr:\n{err}")
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if key in obj:
-            return obj
 
 
 def transfer(link: VethLink, nbytes: int, seed: int, port: int = 5001, sport: int = 0,

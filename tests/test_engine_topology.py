@@ -56,7 +56,8 @@ def test_cli_up_stats_down_with_corruption(tmp_path, runtime):
     f = tmp_path / "pair.yaml"
     f.write_text(PAIR.format(name=name, ber="1e-5"))
     out = tmp_path / "final"
-    r = tb_cli("up", str(f), "--out", str(out), "--runtime", runtime)
+    cap = tmp_path / "cap"
+    r = tb_cli("up", str(f), "--out", str(out), "--runtime", runtime, "--capture", str(cap), "--capture-limit", "1")
     assert r.returncode == 0, r.stderr
     try:
         assert "ber 1e-05 payload/fix" in r.stdout
@@ -71,6 +72,12 @@ def test_cli_up_stats_down_with_corruption(tmp_path, runtime):
         assert st["bits_flipped"] == rcv["bit_errors"] > 0
         table = tb_cli("stats", "--topo", name)
         assert table.returncode == 0 and "h1->h2" in table.stdout
+        # --capture: the corrupted packets before and after corruption, bounded, readable pcap files
+        from scapy.all import rdpcap
+        pcaps = sorted(cap.rglob("*.pcap"))
+        assert len(pcaps) == 2, pcaps
+        for p in pcaps:
+            assert 0 < p.stat().st_size <= 1_100_000 and len(rdpcap(str(p))) > 0
     finally:
         r = tb_cli("down", name)
     assert r.returncode == 0 and "final counters in" in r.stdout, r.stdout + r.stderr

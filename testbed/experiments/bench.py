@@ -39,7 +39,6 @@ import argparse
 import copy
 import json
 import os
-import select
 import shutil
 import statistics
 import subprocess
@@ -52,6 +51,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..engine.probe import read_json_line
 from ..net import Testbed
 from ..state import write_json_atomic
 from ..topo import Link, Topology
@@ -268,27 +268,6 @@ def _without_ber(topo: Topology, link_name: str) -> Topology:
     return Topology.from_dict(raw, file=topo.file) if changed else topo
 
 
-def _read_json_line(proc: subprocess.Popen, key: str, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no {key!r} line within {timeout:.0f} s")
-        r, _, _ = select.select([proc.stdout], [], [], left)
-        if not r:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"ended without a {key!r} line: {err.strip()[-1500:]}")
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and key in obj:
-            return obj
-
-
 def _stop(p: subprocess.Popen) -> None:
     if p.poll() is None:
         p.kill()
@@ -345,7 +324,7 @@ def _pingpong(tb: Testbed, client: str, server: str, addr: str, size: int, count
                             "--size", str(size)],
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
-        _read_json_line(srv, "listening", timeout=60)
+        read_json_line(srv, "listening", timeout=60)
         argv = [py, "-m", "testbed.engine.probe", "pingpong-client", "--host", addr, "--port", str(port),
                 "--count", str(count), "--size", str(size), "--warmup", str(warmup)]
         t0 = time.monotonic()
@@ -809,30 +788,10 @@ def register_bench(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m testbed.experiments.bench latency|collective ...`: the same commands as `testbed bench`, for
-    use before (or without) the main command registering them. Exit codes as `testbed`'s."""
-    from ..cli import EXIT_CAPABILITY, EXIT_FAIL, EXIT_INPUT, CliError
-    from ..link import CapabilityMissing
-    from ..runtime.base import RuntimeUnavailable
-    from ..topo import TopologyError
+    """`python -m testbed.experiments.bench latency|collective ...` = `testbed bench ...`."""
+    from ..cli import main as cli_main
 
-    top = argparse.ArgumentParser(prog="python -m testbed.experiments.bench")
-    register_bench(top.add_subparsers(dest="cmd", required=True))
-    args = top.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return args.fn(args) or 0
-    except TopologyError as e:
-        print(str(e), file=sys.stderr)
-        return EXIT_INPUT
-    except (CapabilityMissing, RuntimeUnavailable) as e:
-        print(f"testbed: {e}", file=sys.stderr)
-        return EXIT_CAPABILITY
-    except CliError as e:
-        print(f"testbed: {e}", file=sys.stderr)
-        return e.code
-    except (FileExistsError, PermissionError, RuntimeError, OSError) as e:
-        print(f"testbed: {e}", file=sys.stderr)
-        return EXIT_FAIL
+    return cli_main(["bench", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

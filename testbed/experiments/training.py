@@ -81,7 +81,7 @@ def _engine_totals(tb: Testbed) -> dict[str, dict]:
 
 def train_on(tb: Testbed, cfg: TrainConfig, out: str | Path, log=print) -> dict:
     """Run the workers on a topology that is up; return the summary (also written to out/summary.json)."""
-    from ..train.launch import run_workers, worker_command
+    from ..train.launch import run_workers
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)

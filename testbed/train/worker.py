@@ -14,7 +14,6 @@ failure), final-rank{R}.pt (parameters, for small models). Exit codes: see testb
 import argparse
 import datetime
 import faulthandler
-import math
 import os
 import re
 import socket
