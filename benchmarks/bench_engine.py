@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,10 @@ PINGPONG_PORT = 5301
 def iperf(link, seconds: float) -> dict:
     argv = ["iperf3", "-c", link.addr["b"], "-p", str(IPERF_PORT), "-t", str(seconds), "-J"]
     for _ in range(3):
-        r = link.run("a", argv, timeout=seconds + 30)
+        try:
+            r = link.run("a", argv, timeout=seconds + 30)
+        except subprocess.TimeoutExpired:  # seen once: a client that never finished; try again
+            continue
         try:
             d = json.loads(r.stdout)
             end = d["end"]
@@ -81,7 +85,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--pings", type=int, default=5000)
+    ap.add_argument("--pings", type=int, default=3000)
     ap.add_argument("--no-keep", dest="keep", action="store_false",
                     help="skip the informational checksum=keep row (BER 1e-5, MTU-sized frames)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_engine.json"))
@@ -114,10 +118,16 @@ def main() -> int:
             rule(link, h, "-D")
             print(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]['gbit_s']:.2f}" for k, v in runs.items()),
                   flush=True)
-        lat_clean = pingpong(link, args.pings)
-        rule(link, h, "-A")
+        # Latency is bimodal on 2 vCPUs (where the scheduler puts the engine vs the ping-pong processes):
+        # alternate clean/engine rounds and take medians over rounds.
         set_engine(h, ber=0.0)
-        lat_engine = pingpong(link, args.pings)
+        lat_rounds = []
+        for _ in range(args.reps):
+            clean = pingpong(link, args.pings)
+            rule(link, h, "-A")
+            engine = pingpong(link, args.pings)
+            rule(link, h, "-D")
+            lat_rounds.append((clean, engine))
         st = engine_stats(h)
         server.terminate()
 
@@ -131,24 +141,33 @@ def main() -> int:
         "ratio_to_clean_median": ratios,
         "retransmits_median": {k: statistics.median(r["retransmits"] for r in v) for k, v in runs.items()},
         "runs": runs,
-        "latency": {"clean": lat_clean, "engine": lat_engine,
-                    "added_one_way_p50_us": lat_engine["rtt_p50_us"] - lat_clean["rtt_p50_us"],
-                    "added_one_way_p99_us": lat_engine["rtt_p99_us"] - lat_clean["rtt_p99_us"]},
+        "latency": {
+            "rounds": [{"clean_p50_us": c["rtt_p50_us"], "clean_p99_us": c["rtt_p99_us"],
+                        "engine_p50_us": e["rtt_p50_us"], "engine_p99_us": e["rtt_p99_us"]} for c, e in lat_rounds],
+            "clean_p50_us": statistics.median(c["rtt_p50_us"] for c, _ in lat_rounds),
+            "clean_p99_us": statistics.median(c["rtt_p99_us"] for c, _ in lat_rounds),
+            "engine_p50_us": statistics.median(e["rtt_p50_us"] for _, e in lat_rounds),
+            "engine_p99_us": statistics.median(e["rtt_p99_us"] for _, e in lat_rounds),
+            # the engine sits on one direction only: the added round-trip time is the added one-way latency
+            "added_one_way_p50_us": statistics.median(e["rtt_p50_us"] - c["rtt_p50_us"] for c, e in lat_rounds),
+            "added_one_way_p99_us": statistics.median(e["rtt_p99_us"] - c["rtt_p99_us"] for c, e in lat_rounds)},
         "ber_accuracy": accuracy,
         "engine_final": {k: st.get(k) for k in ("packets", "bytes", "packets_modified", "packets_errors",
                                                  "packets_truncated", "verdict_errors")},
         "targets": {"ber0_ratio>=0.6": ratios["ber=0"] >= 0.6, "ber1e-4_ratio>=0.3": ratios["ber=0.0001"] >= 0.3,
-                    "added_p50_us<=50": lat_engine["rtt_p50_us"] - lat_clean["rtt_p50_us"] <= 50},
+                    "added_p50_us<=50": None},
     }
+    result["targets"]["added_p50_us<=50"] = result["latency"]["added_one_way_p50_us"] <= 50
     print()
     print(f"{'config':<16} {'Gbit/s (median)':>16} {'x clean (median)':>17} {'retransmits':>12}")
     for k in runs:
         print(f"{k:<16} {result['throughput_gbit_s_median'][k]:>16.2f} "
               f"{ratios.get(k, 1.0):>17.2f} {result['retransmits_median'][k]:>12}")
     lat = result["latency"]
-    print(f"\nping-pong RTT p50/p99 us: clean {lat_clean['rtt_p50_us']:.1f}/{lat_clean['rtt_p99_us']:.1f}, "
-          f"engine {lat_engine['rtt_p50_us']:.1f}/{lat_engine['rtt_p99_us']:.1f} -> added one-way p50 "
-          f"{lat['added_one_way_p50_us']:.1f} us, p99 {lat['added_one_way_p99_us']:.1f} us")
+    print(f"\nping-pong RTT p50/p99 us (median of {args.reps} rounds): clean {lat['clean_p50_us']:.1f}/"
+          f"{lat['clean_p99_us']:.1f}, engine {lat['engine_p50_us']:.1f}/{lat['engine_p99_us']:.1f} -> added "
+          f"one-way p50 {lat['added_one_way_p50_us']:.1f} us, p99 {lat['added_one_way_p99_us']:.1f} us "
+          f"(per round: {', '.join('%.0f' % (e['engine_p50_us'] - e['clean_p50_us']) for e in lat['rounds'])})")
     for b in BERS[1:]:
         acc = [a for a in accuracy if a["ber"] == b]
         bits = sum(a["bits"] for a in acc)
