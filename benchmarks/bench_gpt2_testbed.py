@@ -22,11 +22,12 @@ from testbed.experiments.training import TrainConfig, train  # noqa: E402
 from testbed.topo import Topology  # noqa: E402
 
 
-def step_times(run_dir: Path) -> list[float]:
+def per_step(run_dir: Path, key: str) -> list[float]:
+    """`key` per step (slowest rank), steps after the first."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     by_step: dict[int, float] = {}
     for r in rows:
-        by_step[r["step"]] = max(by_step.get(r["step"], 0.0), r["step_time_s"])
+        by_step[r["step"]] = max(by_step.get(r["step"], 0.0), r[key] or 0.0)
     return [t for s, t in sorted(by_step.items()) if s > 0]
 
 
@@ -50,20 +51,29 @@ def main() -> None:
                 topo = Topology.load(ROOT / "topologies" / "pair.yaml", name=f"bgpt-{rep}")
                 out = Path(tmp) / f"{rep}-{len(results)}"
                 s = train(topo, cfg, out, log=lambda m: None, **over)
-                r = results.setdefault(label, {"step_times": [], "status": [], "bits_flipped": 0})
+                r = results.setdefault(label, {"step_times": [], "comm_times": [], "status": [], "bits_flipped": 0,
+                                               "skipped_steps": 0})
                 r["status"].append(s["status"])
                 r["bits_flipped"] += s.get("bits_flipped") or 0
+                r["skipped_steps"] += s.get("skipped_steps") or 0
                 if s["status"] == "ok":
-                    r["step_times"] += step_times(out)
+                    r["step_times"] += per_step(out, "step_time_s")
+                    r["comm_times"] += per_step(out, "comm_time_s")
                 print(f"rep {rep} {label}: {s['status']}, median step {s.get('median_step_time_s')}", flush=True)
     base = statistics.median(results["no engine"]["step_times"])
     print(f"\nGPT-2 124M DDP on pair.yaml, batch {args.batch_size} x {args.seq_len} per rank, 2 ranks, "
           f"median of {args.reps} x {args.steps - 1} steps")
-    print(f"{'condition':<22} {'step (s)':>9} {'x no engine':>12} {'bits flipped':>13}")
+    base_comm = statistics.median(results["no engine"]["comm_times"])
+    print("(allreduce = time in DDP's gradient allreduce; a skipped step, after a corrupted exponent made the "
+          "gradient norm non-finite, saves the optimizer's time)")
+    print(f"{'condition':<22} {'step (s)':>9} {'x no engine':>12} {'allreduce (s)':>14} {'x no engine':>12} "
+          f"{'bits flipped':>13} {'skipped':>8}")
     for label, r in results.items():
         med = statistics.median(r["step_times"]) if r["step_times"] else float("nan")
-        r["median_step_s"] = med
-        print(f"{label:<22} {med:>9.2f} {med / base:>12.2f} {r['bits_flipped']:>13,}")
+        comm = statistics.median(r["comm_times"]) if r["comm_times"] else float("nan")
+        r["median_step_s"], r["median_comm_s"] = med, comm
+        print(f"{label:<22} {med:>9.2f} {med / base:>12.2f} {comm:>14.2f} {comm / base_comm:>12.2f} "
+              f"{r['bits_flipped']:>13,} {r['skipped_steps']:>8}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

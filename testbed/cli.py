@@ -314,10 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     lsub = s.add_subparsers(dest="link_command", metavar="ACTION")
     ls = lsub.add_parser("set", help="change corruption settings live",
                          description="Change corruption settings of a running link without restarting its traffic. "
-                                     "Example: testbed link set h1-h2 --direction h1->h2 --ber 1e-4")
+                                     "Example: testbed link set h1-h2 --direction h1-h2 --ber 1e-4 (the direction h1 -> h2; "
+                                     "a shell needs 'h1->h2' quoted)")
     ls.add_argument("link", metavar="LINK", help="link name as `testbed up` printed it (e.g. h1-h2)")
     ls.add_argument("--topo", metavar="NAME")
-    ls.add_argument("--direction", metavar="A->B", help="one direction (default both); 'A-B' also accepted")
+    ls.add_argument("--direction", metavar="A-B", help="one direction, from A to B (default both); also written "
+                    "'A->B' (quoted: > is a shell redirection)")
     ls.add_argument("--ber", help="bit error rate in [0, 0.5]")
     ls.add_argument("--scope", choices=["payload", "all", "tensor"])
     ls.add_argument("--checksum", choices=["fix", "keep"])
