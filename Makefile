@@ -11,7 +11,7 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod
 PYTEST_ARGS ?=
 
-.PHONY: all deps system-deps python-deps docker-engine image demo test test-all bench clean-testbed help
+.PHONY: deps system-deps python-deps docker-engine image demo test test-all bench clean-testbed help
 
 help:
 	@echo "make demo   install what is missing, then run the main job"
@@ -28,7 +28,9 @@ system-deps:
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
-	fi
+	fi; \
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	  echo "testbed needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). Use e.g. make PYTHON=python3.11" >&2; exit 1; }
 
 python-deps: $(VENV)/.installed
 

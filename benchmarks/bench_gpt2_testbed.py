@@ -19,12 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testbed.experiments.training import TrainConfig, train  # noqa: E402
+from testbed.fileio import read_jsonl  # noqa: E402
 from testbed.topo import Topology  # noqa: E402
 
 
 def per_step(run_dir: Path, key: str) -> list[float]:
     """`key` per step (slowest rank), steps after the first."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     by_step: dict[int, float] = {}
     for r in rows:
         by_step[r["step"]] = max(by_step.get(r["step"], 0.0), r[key] or 0.0)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from testbed.train.common import write_json_atomic  # noqa: E402
 from testbed.train.launch import local_spawn, loopback_env, run_workers  # noqa: E402
+from testbed.fileio import read_jsonl  # noqa: E402
 
 SHAPES = {"tiny": ("8", "64"), "small": ("4", "128"), "gpt2-124m": ("1", "128")}  # batch, seq per rank
 
@@ -35,8 +36,7 @@ def bench(model, mode, steps, world_size, reference, threads, work_dir):
     t0 = time.monotonic()
     s = run_workers(local_spawn(run_dir), world_size, argv, run_dir, loopback_env(), 1800, 600,
                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    with open(run_dir / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     first_row_time = min(r["time"] for r in rows) if rows else None
     return {
         "model": model, "mode": mode, "world_size": world_size, "batch_size": int(batch), "seq_len": int(seq),

@@ -20,12 +20,13 @@ def stop_engines(engines: dict) -> list[dict]:
         handle = rec.get("handle")
         if not handle:
             continue
+        from .engine.manager import EngineHandle, engine_alive, stop_engine
         try:
-            from .engine.manager import EngineHandle, stop_engine
             stats = stop_engine(EngineHandle.from_dict(handle))
         except Exception as e:  # a dead or half-started engine: make sure the process is gone
             pid = handle.get("pid")
-            if pid and nsutil.pid_alive(pid):
+            # the recorded start time tells our engine from a later process that reuses its pid
+            if pid and engine_alive(pid, handle.get("start_time")):
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -68,23 +69,32 @@ def orphan_engine_pids(topology: str | None = None) -> list[int]:
     return pids
 
 
-def sweep_topology(name: str) -> list[str]:
-    """Remove whatever is left of topology `name`, recorded or not."""
+def _sweep(prefix: str, topology: str | None) -> list[str]:
+    """Engines, namespaces (and the processes in them), /etc/netns files and mounts of one topology, or of all
+    (topology None), whether recorded in a state file or not."""
     removed = []
-    for pid in orphan_engine_pids(name):
+    for pid in orphan_engine_pids(topology):
         try:
             os.kill(pid, signal.SIGKILL)
             removed.append(f"engine pid {pid}")
         except ProcessLookupError:
             pass
-    for ns in nsutil.list_testbed_netns(name):
+    for ns in nsutil.list_testbed_netns(topology):
         nsutil.remove_netns(ns)
         removed.append(f"netns {ns}")
-    _sweep_etc_netns(f"{nsutil.PREFIX}{name}.")
-    d = state_dir(name)
-    for mnt in _mounts_under(str(d) + "/"):
+    _sweep_etc_netns(prefix)
+    root = state_dir(topology) if topology else STATE_ROOT
+    for mnt in _mounts_under(str(root) + "/"):
         subprocess.run(["umount", "-l", mnt], capture_output=True)
-    if d.exists():
+    return removed
+
+
+def sweep_topology(name: str, keep_state: bool = False) -> list[str]:
+    """Remove whatever is left of topology `name`, recorded or not (`keep_state`: leave its state directory,
+    so that a later `down` can retry what failed)."""
+    removed = _sweep(f"{nsutil.PREFIX}{name}.", name)
+    d = state_dir(name)
+    if d.exists() and not keep_state:
         shutil.rmtree(d, ignore_errors=True)
         removed.append(f"state {d}")
     return removed
@@ -98,23 +108,12 @@ def clean_all() -> dict:
     for name in running_names():
         teardown(name)
         done["topologies"].append(name)
-    for pid in orphan_engine_pids():
-        try:
-            os.kill(pid, signal.SIGKILL)
-            done["swept"].append(f"engine pid {pid}")
-        except ProcessLookupError:
-            pass
-    for ns in nsutil.list_testbed_netns():
-        nsutil.remove_netns(ns)
-        done["swept"].append(f"netns {ns}")
+    done["swept"] += _sweep(nsutil.PREFIX, None)
     try:
         from .runtime.docker import sweep_containers
         done["swept"] += [f"container {c}" for c in sweep_containers()]
     except Exception:
         pass  # no docker runtime or no engine reachable: nothing of ours can be there
-    for mnt in _mounts_under(str(STATE_ROOT) + "/"):
-        subprocess.run(["umount", "-l", mnt], capture_output=True)
-    _sweep_etc_netns(nsutil.PREFIX)
     return done
 
 

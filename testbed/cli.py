@@ -115,7 +115,8 @@ def cmd_down(args) -> int:
         result = teardown(name)
         print(f"down: {name}" + (f" (final counters in {result['stats_file']})" if result.get("stats_file") else ""))
         for e in result.get("errors", []):
-            print(f"  warning: {e}", file=sys.stderr)
+            print(f"  could not remove: {e} (state kept: run `testbed down {name}` again)", file=sys.stderr)
+            rc = rc or EXIT_FAIL
     return rc
 
 
@@ -123,7 +124,12 @@ def topology_status(name: str) -> dict:
     from . import nsutil
     from .net import Testbed
 
-    tb = Testbed.attach(name)
+    try:
+        tb = Testbed.attach(name)
+    except (LookupError, ValueError) as e:  # a state directory without a usable state file: a killed `up`
+        return {"name": name, "file": None, "runtime": None, "phase": "broken", "up_pid": None, "created_at": None,
+                "hosts": {}, "engines": [], "healthy": False,
+                "problems": [f"no usable state ({type(e).__name__}: {e}): remove it with `testbed down {name}`"]}
     d = tb.state.data
     hosts = {}
     for h, hd in d.get("hosts", {}).items():
@@ -133,7 +139,7 @@ def topology_status(name: str) -> dict:
     for key, rec in d.get("engines", {}).items():
         h = rec.get("handle") or {}
         engines.append({"link": key.split("/")[0], "direction": key.split("/")[1], "pid": h.get("pid"),
-                        "alive": nsutil.pid_alive(h.get("pid"))})
+                        "alive": nsutil.pid_alive(h.get("pid")) and not rec.get("pending")})
     dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
     return {"name": name, "file": d.get("file"), "runtime": d.get("runtime"), "phase": d.get("phase"),
             "up_pid": d.get("up_pid"), "created_at": d.get("created_at"), "hosts": hosts, "engines": engines,
@@ -145,15 +151,13 @@ def cmd_status(args) -> int:
     from .state import running_names
 
     names = [args.topo] if args.topo else running_names()
-    result = []
-    for n in names:
-        try:
-            result.append(topology_status(n))
-        except LookupError as e:
-            raise CliError(str(e), EXIT_INPUT) from None
+    if args.topo and args.topo not in running_names():
+        raise CliError(f"no topology named {args.topo!r} is up (see `testbed status`)", EXIT_INPUT)
+    result = [topology_status(n) for n in names]
+    rc = 0 if all(s["healthy"] for s in result) else EXIT_FAIL
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
+        return rc
     if not result:
         print("no topology is up")
         return 0
@@ -166,7 +170,7 @@ def cmd_status(args) -> int:
     for s in result:
         for p in s["problems"]:
             print(f"{s['name']}: {p}")
-    return 0 if all(s["healthy"] for s in result) else EXIT_FAIL
+    return rc
 
 
 def cmd_exec(args) -> int:
@@ -202,9 +206,10 @@ def cmd_doctor(args) -> int:
 def cmd_stats(args) -> int:
     tb = _attach(args.topo)
     stats = tb.stats()
+    rc = 0 if all(s.get("alive", True) for s in stats) else EXIT_FAIL
     if args.json:
         print(json.dumps(stats, indent=2))
-        return 0
+        return rc
     if not stats:
         print(f"topology {tb.name} has no corruption engine (no link sets a ber)")
         return 0
@@ -216,7 +221,7 @@ def cmd_stats(args) -> int:
                      s.get("flows_excluded", 0)])
     print(_table(rows, ["link", "direction", "alive", "ber", "packets", "bits_seen", "bits_flipped", "realized",
                         "modified", "unparsed", "excluded"]))
-    return 0 if all(s.get("alive", True) for s in stats) else EXIT_FAIL
+    return rc
 
 
 def cmd_link_set(args) -> int:
@@ -349,6 +354,8 @@ def _extensions():
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pyroute2.netlink.exceptions import NetlinkError
+
     from .link import CapabilityMissing
     from .runtime.base import RuntimeUnavailable
     from .topo import TopologyError
@@ -369,8 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"testbed: {e}", file=sys.stderr)
         return e.code
-    except (FileExistsError, PermissionError, RuntimeError, OSError) as e:
+    except ValueError as e:  # a setting the engine refuses (e.g. `link set` with impossible parameters)
         print(f"testbed: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    except (FileExistsError, PermissionError, RuntimeError, OSError, NetlinkError) as e:
+        print(f"testbed: {type(e).__name__ + ': ' if isinstance(e, NetlinkError) else ''}{e}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:
         print("testbed: interrupted", file=sys.stderr)

@@ -8,7 +8,6 @@ import subprocess
 from dataclasses import dataclass
 
 from pyroute2 import NetNS
-from pyroute2 import netns as pr_netns
 
 from . import link, nsutil
 
@@ -23,20 +22,11 @@ class Check:
 
 def _probe_ns(fn) -> tuple[bool, str]:
     """Run `fn(netns_path)` in a throwaway namespace; never on the host's own interfaces."""
-    name = f"{nsutil.PREFIX}_doctor.{os.getpid()}"
     try:
-        pr_netns.create(name)
-    except Exception as e:
-        return False, f"cannot create a network namespace: {e}"
-    try:
-        return fn(nsutil.ns_path(name))
-    except Exception as e:
-        return False, str(e)
-    finally:
-        try:
-            pr_netns.remove(name)
-        except Exception:
-            pass
+        with nsutil.scratch_netns("doctor") as path:
+            return fn(path)
+    except Exception as e:  # doctor reports; it never fails with a traceback
+        return False, str(e) or type(e).__name__
 
 
 def _veth(path: str) -> tuple[bool, str]:
@@ -90,7 +80,10 @@ def run_checks() -> list[Check]:
     checks.append(Check("veth", *_probe_ns(_veth)))
     checks.append(Check("bridge", *_probe_ns(_bridge)))
     checks.append(Check("tbf", *_probe_ns(_tbf), essential=False))
-    netem = link.netem_available()
+    try:
+        netem = link.netem_available()
+    except Exception:  # namespaces cannot be made: the netns check above already says so
+        netem = False
     checks.append(Check("netem", netem, "delay, jitter and loss via tc netem work" if netem else
                         "sch_netem is missing from this kernel: topologies asking for delay/jitter/loss are refused "
                         "with a message; rate limits and bit corruption still work", essential=False))

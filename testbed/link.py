@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import subprocess
+import shutil
 
 from pyroute2 import NetNS
-from pyroute2 import netns as pr_netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from . import nsutil
@@ -108,14 +106,13 @@ def set_offloads(ns: str, iface: str, offloads: dict[str, bool]) -> None:
                                 " (is ethtool installed? apt-get install ethtool)")
 
 
-def apply_impairment(ns: str, iface: str, imp: LinkImpairment, mtu: int) -> str:
-    """Shape egress of `iface` in `ns` for one direction; returns a description of the qdiscs used."""
+def apply_impairment(ns: str, iface: str, imp: LinkImpairment, mtu: int) -> None:
+    """Shape egress of `iface` in `ns` for one direction: netem (delay/jitter/loss) with tbf (rate) below."""
     if not (imp.rate_bps or imp.needs_netem):
-        return "-"
+        return
     with _netns(ns) as n:
         idx = n.link_lookup(ifname=iface)[0]
         parent_kw: dict = {"handle": "1:"}
-        used = []
         if imp.needs_netem:
             kw = {}
             if imp.delay_s:
@@ -127,31 +124,22 @@ def apply_impairment(ns: str, iface: str, imp: LinkImpairment, mtu: int) -> str:
             # netem's own queue must hold a bandwidth-delay product, or it drops at high rate x delay.
             kw["limit"] = 100000
             n.tc("add", "netem", idx, handle="1:", **kw)
-            used.append("netem")
             parent_kw = {"handle": "10:", "parent": "1:1"}
         if imp.rate_bps:
             # TBF: burst large enough for one super-packet (TSO) plus a rate-proportional share.
             burst = max(64 * 1024 + mtu, imp.rate_bps // 8 // 250)
             n.tc("add", "tbf", idx, rate=imp.rate_bps // 8, burst=burst, latency="50ms", **parent_kw)
-            used.append("tbf")
-    return "+".join(used)
 
 
 @functools.lru_cache(maxsize=1)
 def netem_available() -> bool:
     """Probe for sch_netem in a throwaway namespace (never on the host's own interfaces)."""
-    name = f"{nsutil.PREFIX}_probe.{os.getpid()}"
-    pr_netns.create(name)
-    try:
-        with NetNS(nsutil.ns_path(name)) as n:
-            idx = n.link_lookup(ifname="lo")[0]
-            try:
-                n.tc("add", "netem", idx, handle="1:", delay=1000)
-                return True
-            except NetlinkError:
-                return False
-    finally:
-        pr_netns.remove(name)
+    with nsutil.scratch_netns("probe") as path, NetNS(path) as n:
+        try:
+            n.tc("add", "netem", n.link_lookup(ifname="lo")[0], handle="1:", delay=1000)
+            return True
+        except NetlinkError:
+            return False
 
 
 def netem_missing_message(what: str) -> str:
@@ -163,4 +151,4 @@ def netem_missing_message(what: str) -> str:
 
 
 def tool_present(tool: str) -> bool:
-    return subprocess.run(["which", tool], capture_output=True).returncode == 0
+    return shutil.which(tool) is not None

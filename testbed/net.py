@@ -169,7 +169,14 @@ class Testbed:
         )
         engines[key] = {"spec": spec.to_dict(), "pending": True}
         self.state.save()
-        handle = start_engine(spec)
+        try:
+            handle = start_engine(spec)
+        except BaseException:
+            # start_engine removes its own process and rule on failure; forget the record, or `status` would
+            # report a dead engine (and a dropping link) that never existed
+            del engines[key]
+            self.state.save()
+            raise
         engines[key] = {"spec": spec.to_dict(), "handle": handle.to_dict()}
         self.state.save()
         return handle
@@ -191,7 +198,7 @@ class Testbed:
     def set_link(self, link_name: str, direction: str | None = None, **settings) -> list[str]:
         """Change corruption settings of a running link (one direction or both) without touching its traffic.
         A direction without an engine gets one started."""
-        from .engine.manager import set_engine
+        from .engine.manager import EngineSpec, set_engine
 
         l = self.topo.link(link_name)
         names = [d[0] for d in l.directions()]
@@ -200,6 +207,12 @@ class Testbed:
             names = [direction]
         changed = []
         handles = self.engine_handles()
+        for key, h in handles.items():
+            if key.split("/")[0] == l.name and key.split("/")[1] in names:
+                # validate the whole resulting configuration first: a refused setting is bad input (exit 2),
+                # and nothing changes on any direction
+                EngineSpec.from_dict({**h.spec.to_dict(), **{k: v for k, v in settings.items() if v is not None}}
+                                     ).validate()
         for d in names:
             key = f"{l.name}/{d}"
             if key in handles:
@@ -260,6 +273,9 @@ class Testbed:
     def attach(cls, name: str) -> "Testbed":
         """The Testbed object of a topology that is already up (from its state file)."""
         st = State.load(name)
+        if "topology" not in st.data:
+            raise LookupError(f"topology {name!r} has no usable state (its `up` was interrupted): remove what it "
+                              f"left with `testbed down {name}`")
         topo = Topology.from_dict(st.data["topology"], file=st.data.get("file"))
         tb = cls(topo, runtime=st.data.get("runtime"), capture=st.data.get("capture"),
                  results_dir=st.data.get("results_dir"))
@@ -293,12 +309,14 @@ def normalize_direction(l: Link, direction: str) -> str:
 
 def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None = None) -> dict:
     """Remove everything topology `name` created: engines (saving their final counters), hosts, switch and
-    management namespaces, processes inside them, mounts and the state directory. Idempotent."""
+    management namespaces, processes inside them, mounts and the state directory. Idempotent. What could not
+    be removed is listed in result["errors"], and the state directory is then kept for a retry."""
     try:
         st = State.load(name)
     except LookupError:
         st = None
     final: dict = {"name": name, "engines": []}
+    runtime_name = st.data.get("runtime", "netns") if st is not None else None
     if st is not None:
         final["engines"] = clean.stop_engines(st.data.get("engines", {}))
         if save_stats and final["engines"]:
@@ -306,18 +324,21 @@ def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None 
             path = out_dir / f"stats-{time.strftime('%Y%m%d-%H%M%S')}.json"
             write_json_atomic(path, final["engines"])
             final["stats_file"] = str(path)
-        runtime_name = st.data.get("runtime", "netns")
+        runtime = get_runtime(runtime_name)
         for hd in st.data.get("hosts", {}).values():
             if hd.get("pending"):
                 continue
             try:
-                get_runtime(runtime_name).delete(Host.from_dict(hd))
-            except Exception as e:  # keep going: the sweep below still removes namespaces
+                runtime.delete(Host.from_dict(hd))
+            except Exception as e:  # keep going: the sweeps below still remove the rest
                 final.setdefault("errors", []).append(f"host {hd.get('node')}: {e}")
-        if runtime_name != "netns":
-            try:
-                get_runtime(runtime_name).delete_all(name)
-            except Exception as e:
-                final.setdefault("errors", []).append(f"{runtime_name}: {e}")
-    clean.sweep_topology(name)
+    if runtime_name != "netns":
+        # Containers by label, also those a killed `up` created before it could record them (no state).
+        try:
+            from .runtime.docker import DockerRuntime
+            DockerRuntime().delete_all(name)
+        except Exception as e:
+            if runtime_name == "docker":
+                final.setdefault("errors", []).append(f"docker: {e}")
+    clean.sweep_topology(name, keep_state=bool(final.get("errors")))
     return final

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -13,6 +14,10 @@ from pyroute2 import netns as pr_netns
 
 NETNS_DIR = Path("/run/netns")
 PREFIX = "tb."
+# Every host namespace (and container) gets these, and only they: forwarding for multi-hop routes, and no
+# IPv6 (router solicitations, MLD, DAD would otherwise chatter on the data links).
+HOST_SYSCTLS = {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.disable_ipv6": "1",
+                "net.ipv6.conf.default.disable_ipv6": "1"}
 
 
 def ns_name(topology: str, node: str) -> str:
@@ -38,11 +43,25 @@ def list_testbed_netns(topology: str | None = None) -> list[str]:
 def create_netns(name: str) -> str:
     pr_netns.create(name)
     path = ns_path(name)
-    # Only inside our own namespaces: forwarding for multi-hop, no IPv6 chatter (RS/MLD/DAD) on data links.
-    # (One process for both: each costs milliseconds, and a topology has many namespaces.)
-    nsexec(path, ["sh", "-c", "ip link set lo up && sysctl -qw net.ipv4.ip_forward=1 "
-                  "net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1"])
+    # One process for both: each costs milliseconds, and a topology has many namespaces.
+    settings = " ".join(f"{k}={v}" for k, v in HOST_SYSCTLS.items())
+    nsexec(path, ["sh", "-c", f"ip link set lo up && sysctl -qw {settings}"])
     return path
+
+
+@contextlib.contextmanager
+def scratch_netns(purpose: str):
+    """A throwaway namespace for probing what the kernel offers (never the host's own interfaces); yields
+    its path and removes it. Raises OSError/NetlinkError if namespaces cannot be made at all."""
+    name = f"{PREFIX}_{purpose}.{os.getpid()}"
+    pr_netns.create(name)
+    try:
+        yield ns_path(name)
+    finally:
+        try:
+            pr_netns.remove(name)
+        except OSError:
+            pass
 
 
 def remove_netns(name: str) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
+
+from .fileio import write_json_atomic  # noqa: F401 (imported from here by net.py and others)
 
 STATE_ROOT = Path(os.environ.get("TESTBED_STATE_DIR", "/run/testbed"))
 HISTORY_ROOT = Path(os.environ.get("TESTBED_HISTORY_DIR", "/var/lib/testbed/history"))
@@ -16,23 +17,6 @@ HISTORY_ROOT = Path(os.environ.get("TESTBED_HISTORY_DIR", "/var/lib/testbed/hist
 
 class TopologyNotFound(LookupError):
     pass
-
-
-def write_json_atomic(path: str | Path, data, indent: int | None = 2) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=indent, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def state_dir(name: str) -> Path:

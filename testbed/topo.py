@@ -28,8 +28,6 @@ RESERVED_IFNAMES = {"lo", "mgmt0", "br0"}
 DEFAULT_DATA_POOL = ipaddress.IPv4Network("10.0.0.0/16")
 DEFAULT_MGMT_SUBNET = ipaddress.IPv4Network("10.255.0.0/16")
 DEFAULT_CONTROL_PORTS = (29500,)
-SCOPES = ("payload", "all", "tensor")
-CHECKSUM_MODES = ("fix", "keep")
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "reduce_scatter", "gather",
                "scatter", "alltoall", "p2p")
 OFFLOAD_FEATURES = {"tso": "tso", "gso": "gso", "gro": "gro", "tx_checksum": "tx", "rx_checksum": "rx",
@@ -41,7 +39,7 @@ class TopologyError(Exception):
 
     def __init__(self, file: str | Path | None, problems: list[tuple[str, str]], lines: dict[str, int] | None = None):
         self.file = str(file) if file is not None else "<topology>"
-        self.problems = problems
+        self.problems = list(dict.fromkeys(problems))  # both directions of a link may report the same problem
         self.lines = lines or {}
         super().__init__(self.render())
 
@@ -79,9 +77,10 @@ class ErrorModelSpec(_Strict):
     """`bernoulli`, or `gilbert_elliott` with a mean burst length in bits (mean BER is the link's `ber`)."""
 
     type: Literal["bernoulli", "gilbert_elliott"] = "bernoulli"
-    burst_length: float | None = Field(default=None, gt=1.0)
-    bad_ber: Annotated[float, _wrap(lambda x: units.parse_probability(x, upper=1.0))] = 0.5
-    good_ber: Annotated[float, _wrap(lambda x: units.parse_probability(x, upper=0.5))] = 0.0
+    burst_length: float | None = Field(default=None, ge=1.0)
+    # None: the engine's defaults (bad 0.5, good 0); the engine's own check decides what combinations are valid
+    bad_ber: Annotated[float | None, _wrap(lambda x: units.parse_probability(x, upper=1.0))] = None
+    good_ber: Annotated[float | None, _wrap(lambda x: units.parse_probability(x, upper=0.5))] = None
 
 
 def _error_model(value: Any) -> Any:
@@ -241,10 +240,6 @@ class Link:
     forward: LinkImpairment  # a -> b
     reverse: LinkImpairment  # b -> a
 
-    def direction_name(self, sender: str) -> str:
-        other = self.b.node if sender == self.a.node else self.a.node
-        return f"{sender}->{other}"
-
     def directions(self) -> list[tuple[str, Endpoint, Endpoint, LinkImpairment]]:
         """(name, sending endpoint, receiving endpoint, impairment) for both directions."""
         return [
@@ -327,7 +322,9 @@ class Topology:
             raw["runtime"] = runtime
         settings = {k: v for k, v in impairment.items() if v is not None}
         if settings:
-            for link in raw.get("topology", {}).get("links", []) or []:
+            for link, resolved in zip(raw.get("topology", {}).get("links", []) or [], self.links):
+                if self.nodes[resolved.a.node].kind == self.nodes[resolved.b.node].kind == "switch":
+                    continue  # corruption runs in host namespaces; bridges between switches carry none
                 link.update(settings)
                 for d in (link.get("directions") or {}).values():
                     for k in settings:
@@ -565,10 +562,6 @@ def _resolve(spec: TopologyFile, raw: dict, file: str | None, problems: list) ->
         offloads = {k: v for k, v in (lm.offloads.model_dump() if lm.offloads else {}).items() if v is not None}
         links.append(Link(name=name, a=a, b=b, mtu=lm.mtu, offloads=offloads, forward=resolved[0], reverse=resolved[1]))
 
-    for port in spec.control_ports:
-        if port in (0,):
-            problems.append(("control_ports", "port 0 is not a port"))
-
     if problems:
         return None
     _check_switch_loops(nodes, links, problems)
@@ -596,23 +589,19 @@ def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
     if imp.jitter_s and imp.delay_s and imp.jitter_s > imp.delay_s:
         problems.append((f"{p}.jitter", "jitter larger than the delay would need negative delays"))
     em = imp.error_model
-    if em.get("type") == "gilbert_elliott":
-        if imp.ber is None:
-            problems.append((f"{p}.error_model", "gilbert_elliott needs the link's mean 'ber'"))
-        elif em.get("burst_length") is None:
-            problems.append((f"{p}.error_model.burst_length", "gilbert_elliott needs burst_length (mean burst length "
-                                                              "in bits, > 1)"))
-        else:
-            good, bad = em.get("good_ber", 0.0), em.get("bad_ber", 0.5)
-            if not good <= imp.ber <= bad:
-                problems.append((f"{p}.ber", f"a gilbert_elliott mean ber must lie between good_ber ({good:g}) and "
-                                             f"bad_ber ({bad:g}), got {imp.ber:g}"))
-    elif em.get("burst_length") is not None:
-        problems.append((f"{p}.error_model.burst_length", "burst_length applies to gilbert_elliott only"))
+    if imp.ber is not None:
+        # The engine's own validation, so that what passes here also starts (no second, weaker copy).
+        from .engine.models import validate_error_model
+
+        try:
+            validate_error_model(em, imp.ber)
+        except ValueError as e:
+            field = "error_model.burst_length" if "burst_length" in str(e) else "error_model"
+            problems.append((f"{p}.{field}", str(e)))
+    elif em.get("type", "bernoulli") != "bernoulli":
+        problems.append((f"{p}.error_model", "an error model needs a 'ber'"))
     if imp.collectives and imp.scope != "tensor":
         problems.append((f"{p}.collectives", "collectives filters apply to scope: tensor only"))
-    if imp.ber is None and (imp.error_model.get("type") != "bernoulli"):
-        problems.append((f"{p}.error_model", "an error model needs a 'ber'"))
 
 
 def _check_switch_loops(nodes: dict[str, Node], links: list[Link], problems: list) -> None:

@@ -118,6 +118,11 @@ def test_link_set_changes_ber_mid_transfer(tmp_path, runtime):
         assert bad.returncode == 2 and "no direction" in bad.stderr
         bad = tb_cli("link", "set", "h1-h2", "--topo", name, "--ber", "0.9")
         assert bad.returncode == 2 and "--ber" in bad.stderr
+        # settings the engine refuses: a clear error, and no half-started engine left in the state
+        bad = tb_cli("link", "set", "h1-h2", "--topo", name, "--ber", "0.4", "--error-model", "gilbert_elliott",
+                     "--burst-length", "2")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert tb_cli("status", "--topo", name).returncode == 0
     finally:
         tb_cli("down", name)
     assert not leftovers(name)

@@ -63,6 +63,8 @@ topology:
      "topology.links[0].collectives", "scope: tensor"),
     ("nested-key", GOOD.replace("h2: {kind: host}", "{h2: 1}: {kind: host}").replace("{extra}", ""), "",
      "plain name"),
+    ("ge-mean-too-high", GOOD.replace("{extra}", "      ber: 0.5\n      error_model: {type: gilbert_elliott, burst_length: 64}\n"),
+     "topology.links[0].error_model", "bad_ber"),
     ("not-yaml", "name: {name}\ntopology: [unclosed\n", "", "not valid YAML"),
     ("self-link", GOOD.replace('"h2:eth1"', '"h1:eth2"').replace("{extra}", ""), "topology.links[0].endpoints",
      "two different nodes"),
@@ -153,6 +155,14 @@ def test_per_direction_settings_and_seeds(tmp_path):
     assert (link.reverse.ber, link.reverse.checksum) == (1e-4, "keep")
     assert link.forward.seed != link.reverse.seed
     assert Topology.load(path).link("h1-h2").forward.seed == link.forward.seed  # stable across loads
+
+
+def test_error_model_forms(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text(good("em", "      ber: 1e-5\n      error_model: bernoulli\n"))
+    assert Topology.load(path).link("h1-h2").forward.error_model == {"type": "bernoulli"}
+    path.write_text(good("em", "      ber: 1e-5\n      error_model: {type: gilbert_elliott, burst_length: 64}\n"))
+    assert Topology.load(path).link("h1-h2").forward.error_model == {"type": "gilbert_elliott", "burst_length": 64}
 
 
 @pytest.mark.parametrize("text,bps", [("10gbit", 10_000_000_000), ("100 Mbit/s", 100_000_000), ("1.5kbit", 1500),

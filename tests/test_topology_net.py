@@ -218,3 +218,21 @@ def test_doctor_reports_every_capability():
         assert "refused" in checks["netem"]["detail"]
     text = tb_cli("doctor").stdout
     assert "essentials" in text
+
+
+def test_status_and_down_handle_a_state_without_state_file():
+    from testbed.state import state_dir
+
+    name = unique_name("broken")
+    d = state_dir(name)
+    d.mkdir(parents=True)  # what a SIGKILL right after `up` claimed its name leaves
+    try:
+        r = tb_cli("status", "--json")
+        mine = [s for s in json.loads(r.stdout) if s["name"] == name][0]
+        assert r.returncode == 1 and mine["phase"] == "broken" and "testbed down" in mine["problems"][0]
+        r = tb_cli("exec", "--topo", name, "h1", "--", "true")
+        assert r.returncode == 2 and "interrupted" in r.stderr
+        assert tb_cli("down", name).returncode == 0
+        assert not d.exists()
+    finally:
+        tb_cli("down", name)

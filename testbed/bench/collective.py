@@ -34,9 +34,9 @@ def _time(fn, budget_s: float, min_iters: int = 3, max_iters: int = 50) -> list[
     return times
 
 
-def _agree(times: list[float]) -> int:
+def _agree(iters: int) -> int:
     # Every rank must run the same number of iterations or the collectives deadlock: take rank 0's count.
-    n = torch.tensor([len(times)])
+    n = torch.tensor([iters])
     dist.broadcast(n, 0)
     return int(n)
 
@@ -52,7 +52,7 @@ def run(sizes: list[int], budget_s: float) -> list[dict]:
         # Fixed iteration counts agreed up front (timing loops must not diverge between ranks).
         probe = _time(lambda: dist.all_reduce(x), budget_s=0.0, min_iters=1, max_iters=1)
         iters = max(3, min(50, int(budget_s / max(probe[0], 1e-6))))
-        iters = _agree([0] * iters)
+        iters = _agree(iters)
         t = _time(lambda: dist.all_reduce(x), budget_s=1e9, min_iters=iters, max_iters=iters)
         med = statistics.median(t)
         algbw = n * 4 / med

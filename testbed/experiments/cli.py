@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from .training import PG_TIMEOUT_S, RUN_TIMEOUT_S, STALL_TIMEOUT_S
+
 
 def _ber(text: str) -> float:
     from ..units import parse_probability
@@ -23,7 +25,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(mode=args.mode, model=args.model, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
                       seq_len=args.seq_len, lr=args.lr, grad_clip=args.grad_clip, eval_every=args.eval_every,
                       schedule=args.schedule, microbatches=args.microbatches, timeout=args.timeout,
-                      reference=args.reference, data=args.data, hosts=args.hosts,
+                      reference=args.reference, data=args.data, hosts=args.hosts, nonfinite=args.nonfinite,
                       stall_timeout=args.stall_timeout, run_timeout=args.run_timeout)
     if os.path.exists(args.topology):
         target = Topology.load(args.topology, name=args.name)
@@ -111,9 +113,14 @@ def register(sub) -> None:
     s.add_argument("--eval-every", type=int)
     s.add_argument("--schedule", choices=["gpipe", "1f1b"])
     s.add_argument("--microbatches", type=int)
-    s.add_argument("--timeout", type=float, default=30.0, help="process-group timeout in s (default 30)")
-    s.add_argument("--stall-timeout", type=float, default=120.0, help="hung if no progress for this long (s)")
-    s.add_argument("--run-timeout", type=float, default=3600.0, help="hung if the run takes longer (s)")
+    s.add_argument("--timeout", type=float, default=PG_TIMEOUT_S,
+                   help=f"process-group timeout in s (default {PG_TIMEOUT_S:g})")
+    s.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
+                   help=f"hung if no progress for this long, in s (default {STALL_TIMEOUT_S:g})")
+    s.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S,
+                   help=f"hung if the run takes longer, in s (default {RUN_TIMEOUT_S:g})")
+    s.add_argument("--nonfinite", choices=["skip", "stop"],
+                   help="a step with a non-finite loss/gradient: skip its update everywhere (default) or stop")
     s.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                    help="DDP: compare each allreduce with a clean one over the management network")
     s.add_argument("--data", help="train on this UTF-8 text file instead of the Shakespeare corpus")

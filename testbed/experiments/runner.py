@@ -18,40 +18,44 @@ import sys
 import time
 from pathlib import Path
 
-from ..state import write_json_atomic
+from ..fileio import read_jsonl, write_atomic, write_json_atomic
 from .spec import Experiment, Point
-from .training import DEFAULT_COLLECTIVES, TrainConfig, summary_line, train
-
-# The worker's defaults (testbed/train/worker.py), for rows that feed the theory overlay.
-WORKER_DEFAULT_LR = 1e-3
-WORKER_DEFAULT_CLIP = 1.0
+from .training import (DEFAULT_COLLECTIVES, PG_TIMEOUT_S, STALL_TIMEOUT_S, TrainConfig, summary_line,
+                       train)
 
 
 class ResultsStore:
-    """results.jsonl: one row per finished point, in grid order, always complete on disk."""
+    """results.jsonl: one row per finished point of the current experiment, always complete on disk.
 
-    def __init__(self, out: Path):
+    Rows of another fingerprint (the model, steps, training settings, topologies or runtime changed) are not
+    this experiment's results: they move to results-<fingerprint>.jsonl instead of mixing into the report."""
+
+    def __init__(self, out: Path, fingerprint: str):
         self.path = out / "results.jsonl"
         self.rows: dict[str, dict] = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    self.rows[row["point"]] = row
+        stale: dict[str, list[dict]] = {}
+        for row in read_jsonl(self.path):
+            if row.get("fingerprint") == fingerprint:
+                self.rows[row["point"]] = row
+            else:
+                stale.setdefault(row.get("fingerprint") or "unknown", []).append(row)
+        for fp, rows in stale.items():
+            old = out / f"results-{fp}.jsonl"
+            keep = read_jsonl(old) + rows
+            write_atomic(old, "".join(json.dumps(r, default=str) + "\n" for r in keep))
+        if stale:
+            self._save()
 
-    def done(self, point: Point, fingerprint: str) -> dict | None:
-        row = self.rows.get(point.id)
-        return row if row and row.get("fingerprint") == fingerprint else None
+    def done(self, point: Point) -> dict | None:
+        return self.rows.get(point.id)
 
     def add(self, row: dict) -> None:
         self.rows[row["point"]] = row
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r, allow_nan=False, default=_jsonable) + "\n" for r in self.rows.values()))
-        os.replace(tmp, self.path)
+        self._save()
 
-
-def _jsonable(x):
-    return str(x)
+    def _save(self) -> None:
+        write_atomic(self.path, "".join(json.dumps(r, allow_nan=False, default=str) + "\n"
+                                        for r in self.rows.values()))
 
 
 def _finite(x):
@@ -63,9 +67,10 @@ def train_config(exp: Experiment, point: Point) -> TrainConfig:
     return TrainConfig(mode=point.mode, model=exp.spec.model, steps=exp.spec.steps, seed=point.seed,
                        batch_size=t.batch_size, seq_len=t.seq_len, lr=t.lr, grad_clip=t.grad_clip,
                        eval_every=t.eval_every, eval_batches=t.eval_batches, schedule=t.schedule,
-                       microbatches=t.microbatches, timeout=t.timeout or 30.0, reference=t.reference, data=t.data,
-                       threads=t.threads,
-                       stall_timeout=t.stall_timeout or 120.0, run_timeout=exp.spec.point_timeout)
+                       microbatches=t.microbatches, timeout=t.timeout or PG_TIMEOUT_S, reference=t.reference,
+                       data=t.data, threads=t.threads, fingerprint_every=t.fingerprint_every,
+                       save_final=t.save_final, nonfinite=t.nonfinite,
+                       stall_timeout=t.stall_timeout or STALL_TIMEOUT_S, run_timeout=exp.spec.point_timeout)
 
 
 def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, baseline_dir: Path | None) -> dict:
@@ -74,7 +79,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     from ..train.fingerprint import replica_divergence, run_distance
     from .theory import param_count
 
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     by_step: dict[int, list[dict]] = {}
     for m in metrics:
         by_step.setdefault(m["step"], []).append(m)
@@ -82,7 +87,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     rank0 = {s: next((m for m in by_step[s] if m["rank"] == 0), by_step[s][0]) for s in steps}
     row = {
         "point": point.id, "baseline": point.baseline.id, "experiment": exp.spec.name,
-        "fingerprint": exp.fingerprint(), **point.params(), "model": exp.spec.model, "steps": exp.spec.steps,
+        **point.params(), "model": exp.spec.model, "steps": exp.spec.steps,
         "topology": summary.get("topology"), "runtime": summary.get("runtime"),
         "world_size": summary.get("world_size"), "status": summary.get("status"), "reason": summary.get("reason"),
         "steps_completed": summary.get("steps_completed", 0), "skipped_steps": summary.get("skipped_steps", 0),
@@ -96,14 +101,15 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         "realized_ber": summary.get("realized_ber"),
         "nonfinite_received_total": summary.get("nonfinite_received_total"),
         "corrupted_values_total": summary.get("corrupted_values_total"),
-        "collectives": DEFAULT_COLLECTIVES[point.mode] if point.scope == "tensor" else None,
+        "collectives": (exp.spec.train.collectives or DEFAULT_COLLECTIVES[point.mode]) if point.scope == "tensor"
+        else None,
         "batch_size": cfg_field(summary, "batch_size"), "seq_len": cfg_field(summary, "seq_len"),
         "microbatches": cfg_field(summary, "microbatches"),
         "machine": {"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
-        "n_params": param_count(exp.spec.model), "lr": exp.spec.train.lr or WORKER_DEFAULT_LR,
-        "grad_clip": exp.spec.train.grad_clip if exp.spec.train.grad_clip is not None else WORKER_DEFAULT_CLIP,
-        "deviation_curve": [], "final_deviation": None, "replica_divergence_curve": [],
-        "final_replica_divergence": None, "wall_time_s": summary.get("wall_time_s"),
+        "n_params": param_count(exp.spec.model), "lr": cfg_field(summary, "lr"),
+        "grad_clip": cfg_field(summary, "grad_clip"),
+        "deviation_curve": [], "final_deviation": None, "final_deviation_exact": None,
+        "replica_divergence_curve": [], "final_replica_divergence": None, "wall_time_s": summary.get("wall_time_s"),
         "finished_at": time.time(), "image_digest": summary.get("image_digest"),
         "run_dir": str(run_dir.relative_to(run_dir.parent.parent)),
     }
@@ -115,26 +121,37 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
             if point.mode == "pp" or e["rank"] == 0:
                 per[e["step"]] = per.get(e["step"], 0.0) + e["l2_estimate"] ** 2
         row["deviation_curve"] = [[s, _finite(math.sqrt(v))] for s, v in sorted(per.items())]
-        if d["final"]:
-            finals = [v["l2"] for r, v in d["final"].items() if point.mode == "pp" or r == 0]
-            row["final_deviation"] = _finite(math.sqrt(sum(x * x for x in finals))) if finals else None
+        wanted = list(range(summary.get("world_size") or 1)) if point.mode == "pp" else [0]
+        if all(r in d["final"] for r in wanted):
+            # exact: every rank whose parameters count saved them (small models, or save_final)
+            row["final_deviation"] = _finite(math.sqrt(sum(d["final"][r]["l2"] ** 2 for r in wanted)))
+            row["final_deviation_exact"] = True
+        elif row["deviation_curve"] and row["deviation_curve"][-1][0] == summary.get("steps_completed", 0) - 1:
+            # estimated from the sampled coordinates at the last step (large models save no parameters)
+            row["final_deviation"] = row["deviation_curve"][-1][1]
+            row["final_deviation_exact"] = False
     elif point.ber == 0:
-        row["final_deviation"] = 0.0
+        row["final_deviation"], row["final_deviation_exact"] = 0.0, True
     if point.mode == "ddp":
         div = replica_divergence(run_dir)
         worst: dict[int, float] = {}
         for e in div["per_step"]:
-            worst[e["step"]] = max(worst.get(e["step"], 0.0), e["l2_estimate"])
+            # max() would hide a NaN distance (a replica with non-finite parameters): keep it as inf
+            v = e["l2_estimate"] if math.isfinite(e["l2_estimate"]) else math.inf
+            worst[e["step"]] = max(worst.get(e["step"], 0.0), v)
         row["replica_divergence_curve"] = [[s, _finite(v)] for s, v in sorted(worst.items())]
-        if div["final"]:
+        ranks = range(1, summary.get("world_size") or 1)
+        if div["final"] and all(r in div["final"] for r in ranks):
             row["final_replica_divergence"] = _finite(max(v["l2"] for v in div["final"].values()))
+        elif row["replica_divergence_curve"]:
+            row["final_replica_divergence"] = row["replica_divergence_curve"][-1][1]
     return row
 
 
 def cfg_field(summary: dict, key: str):
     """A worker setting as the run used it (explicit in the experiment, else the worker's default)."""
     v = (summary.get("config") or {}).get(key)
-    if v is None and key in ("batch_size", "seq_len", "microbatches"):
+    if v is None and key in ("batch_size", "seq_len", "microbatches", "lr", "grad_clip"):
         from ..train.worker import build_parser
         defaults = build_parser().parse_args(["--mode", summary.get("mode") or "ddp", "--steps", "1", "--out", "."])
         v = getattr(defaults, key)
@@ -146,25 +163,20 @@ def cfg_field(summary: dict, key: str):
     return v
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        return []
-
-
 def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
                    log=None) -> list[dict]:
     from tqdm import tqdm
 
     out = Path(out).resolve()
     (out / "points").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(exp.file, out / "experiment.yaml")
-    store = ResultsStore(out)
-    fp = exp.fingerprint()
-    points = exp.points()
-    todo = [p for p in points if not (store.done(p, fp) and (not retry_failed or store.done(p, fp)["status"] == "ok"))]
     runtime = runtime or exp.spec.runtime
+    copy = out / "experiment.yaml"
+    if not (copy.exists() and os.path.samefile(exp.file, copy)):
+        write_atomic(copy, exp.portable_copy())
+    fp = exp.fingerprint(runtime)
+    store = ResultsStore(out, fp)
+    points = exp.points()
+    todo = [p for p in points if not store.done(p) or (retry_failed and store.done(p)["status"] != "ok")]
     bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
                desc=exp.spec.name, file=sys.stderr)
     say = log or (lambda m: bar.write(m, file=sys.stderr))
@@ -172,23 +184,42 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
         say(f"{len(points) - len(todo)} of {len(points)} points already in {out / 'results.jsonl'}: skipped")
     try:
         for point in todo:
-            run_dir = out / "points" / point.id
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # an interrupted attempt: start the point afresh
             bar.set_postfix_str(point.id)
-            name = f"{exp.spec.name[:8]}{os.getpid() % 10000}-{points.index(point)}"
-            summary = train(exp.topology(point.mode), train_config(exp, point), run_dir, ber=point.ber,
-                            scope=point.scope, checksum=point.checksum, runtime=runtime, name=name, log=lambda m: None)
-            base = out / "points" / point.baseline.id
-            row = point_row(exp, point, summary, run_dir, base if base.exists() else None)
+            row = run_point(exp, point, out, runtime, fp, f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
+                                                          f"{points.index(point)}")
+            line = row.pop("_line", None) or f"{row['status']}: {row.get('reason')}"
             store.add(row)
-            say(f"{point.id}: {summary_line(summary)}")
+            say(f"{point.id}: {line}")
             bar.update(1)
         if exp.spec.latency is not None:
             run_latency(exp, out, runtime, say)
     finally:
         bar.close()
     return list(store.rows.values())
+
+
+def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp: str, name: str) -> dict:
+    """Train one point; a failure of the set-up (not of the training) becomes an `error` row, so one bad
+    point does not end the sweep (`--retry-failed` runs it again)."""
+    run_dir = out / "points" / point.id
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # an interrupted attempt: start the point afresh
+    collectives = exp.spec.train.collectives if point.scope == "tensor" else None
+    try:
+        summary = train(exp.topology(point.mode), train_config(exp, point), run_dir, ber=point.ber,
+                        scope=point.scope, checksum=point.checksum, collectives=collectives, runtime=runtime,
+                        name=name, log=lambda m: None)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        return {"point": point.id, "baseline": point.baseline.id, "experiment": exp.spec.name, "fingerprint": fp,
+                **point.params(), "model": exp.spec.model, "steps": exp.spec.steps, "runtime": runtime or "netns",
+                "status": "error", "reason": f"{type(e).__name__}: {e}", "steps_completed": 0,
+                "finished_at": time.time(), "run_dir": f"points/{point.id}"}
+    base = out / "points" / point.baseline.id
+    row = point_row(exp, point, summary, run_dir, base if base.exists() else None)
+    row["fingerprint"] = fp
+    return {**row, "_line": summary_line(summary)}
 
 
 def run_latency(exp: Experiment, out: Path, runtime: str | None, say) -> None:

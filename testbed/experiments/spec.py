@@ -56,6 +56,10 @@ class TrainSpec(_Strict):
     reference: bool | None = None
     data: str | None = None
     threads: int | None = Field(default=None, ge=1, description="torch threads per worker")
+    fingerprint_every: int | None = Field(default=None, ge=0, description="sha256 of the parameters every K steps")
+    save_final: bool | None = Field(default=None, description="save final parameters (exact deviation); "
+                                                               "default: models under 50M parameters per rank")
+    nonfinite: Literal["skip", "stop"] | None = None
 
 
 class LatencySpec(_Strict):
@@ -163,11 +167,22 @@ class Experiment:
         ordered = sorted(base, key=_order) + sorted((p for p in pts if p not in base), key=_order)
         return ordered
 
-    def fingerprint(self) -> str:
-        """Identifies everything but the grid, so a re-run with another grid reuses finished points only if
-        the model, steps, topologies and training settings are the same."""
-        d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout"})
+    def fingerprint(self, runtime: str | None = None) -> str:
+        """Identifies everything that shapes a point's result but the grid: model, steps, training settings,
+        the topology files' contents and the runtime. A re-run reuses a finished point only if it matches."""
+        d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies"})
+        d["topologies"] = {m: hashlib.sha256(self.resolve(f).read_bytes()).hexdigest()
+                           for m, f in sorted(self.spec.topologies.items())}
+        d["runtime"] = runtime or self.spec.runtime or "netns"
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def portable_copy(self) -> str:
+        """The experiment file with absolute topology paths, to keep beside the results (re-runnable there)."""
+        raw = yaml.safe_load(Path(self.file).read_text())
+        raw["topologies"] = {m: str(self.resolve(f).resolve()) for m, f in raw["topologies"].items()}
+        if raw.get("latency"):
+            raw["latency"]["topology"] = str(self.resolve(raw["latency"]["topology"]).resolve())
+        return yaml.safe_dump(raw, sort_keys=False)
 
 
 def _order(p: Point) -> tuple:

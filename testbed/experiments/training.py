@@ -25,6 +25,12 @@ from ..state import write_json_atomic
 from ..topo import Topology
 
 
+# Defaults of a training run on the testbed (the CLI and experiment files take them from here).
+PG_TIMEOUT_S = 30.0  # process-group timeout: a corrupted frame must not hang a run for long
+STALL_TIMEOUT_S = 120.0  # no new metrics for this long: hung
+RUN_TIMEOUT_S = 3600.0
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     mode: str  # ddp | pp
@@ -39,23 +45,28 @@ class TrainConfig:
     eval_batches: int | None = None
     schedule: str | None = None
     microbatches: int | None = None
-    timeout: float | None = 30.0  # process-group timeout: a corrupted frame must not hang for long
+    timeout: float | None = PG_TIMEOUT_S
     reference: bool | None = None
     data: str | None = None
     threads: int | None = None
+    fingerprint_every: int | None = None
+    save_final: bool | None = None
+    nonfinite: str | None = None  # skip | stop
     hosts: int | None = None  # use only the first N hosts
-    stall_timeout: float = 120.0
-    run_timeout: float = 3600.0
+    stall_timeout: float = STALL_TIMEOUT_S
+    run_timeout: float = RUN_TIMEOUT_S
 
     def worker_argv(self) -> list[str]:
         argv = ["--mode", self.mode, "--model", self.model, "--steps", str(self.steps), "--seed", str(self.seed)]
         for f in ("batch_size", "seq_len", "lr", "grad_clip", "eval_every", "eval_batches", "schedule",
-                  "microbatches", "timeout", "data", "threads"):
+                  "microbatches", "timeout", "data", "threads", "fingerprint_every", "nonfinite"):
             v = getattr(self, f)
             if v is not None:
                 argv += [f"--{f.replace('_', '-')}", str(v)]
-        if self.reference is not None:
-            argv.append("--reference" if self.reference else "--no-reference")
+        for f in ("reference", "save_final"):
+            v = getattr(self, f)
+            if v is not None:
+                argv.append(f"--{'' if v else 'no-'}{f.replace('_', '-')}")
         return argv
 
 

@@ -48,11 +48,7 @@ EXEC_TAG = "TESTBED_EXEC_ID"  # set in every process started by DockerRuntime.po
 # Host-specific variables that would break programs inside the image if passed through `exec`.
 HOST_ONLY_ENV = frozenset({"PATH", "HOME", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "VIRTUAL_ENV", "PYTHONHOME",
                            "LD_LIBRARY_PATH", "TERM", "TMPDIR"})
-NETNS_SYSCTLS = {  # the same settings nsutil.create_netns applies to netns hosts
-    "net.ipv4.ip_forward": "1",
-    "net.ipv6.conf.all.disable_ipv6": "1",
-    "net.ipv6.conf.default.disable_ipv6": "1",
-}
+NETNS_SYSCTLS = nsutil.HOST_SYSCTLS  # the same settings netns hosts get
 
 HOW_TO_GET_AN_ENGINE = (
     "Get one with `containers/ensure-docker.sh` (as root: installs Debian's docker.io if missing and starts "

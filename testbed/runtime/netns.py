@@ -23,7 +23,7 @@ class NetnsRuntime(Runtime):
         if os.geteuid() != 0:
             raise RuntimeUnavailable("the netns runtime needs root (run as root or with sudo)")
         for tool in ("nsenter", "unshare"):
-            if subprocess.run(["which", tool], capture_output=True).returncode != 0:
+            if shutil.which(tool) is None:
                 raise RuntimeUnavailable(f"{tool} is missing: apt-get install util-linux")
 
     def create(self, topology: str, node, state_dir) -> Host:
@@ -60,8 +60,7 @@ class NetnsRuntime(Runtime):
         return nsutil.list_testbed_netns(topology)
 
     def delete(self, host: Host) -> None:
-        nsutil.remove_netns(os.path.basename(host.netns))
-        shutil.rmtree(ETC_NETNS / os.path.basename(host.netns), ignore_errors=True)
+        nsutil.remove_netns(os.path.basename(host.netns))  # also its /etc/netns files
         if host.uts:
             _release_uts(host.uts)
 

@@ -1,9 +1,9 @@
 """Things the worker and the launcher agree on: exit codes, run-dir file names, atomic writes."""
 
-import json
-import os
-import tempfile
 from pathlib import Path
+
+from testbed.fileio import append_jsonl, read_jsonl, write_atomic  # noqa: F401 (the workers' API)
+from testbed.fileio import write_json_atomic as _write_json_atomic
 
 # Worker exit codes. A worker killed by a signal has a negative return code (Popen) or 128+signal
 # (when a shell or `ip netns exec` wrapper reports it); SIGABRT is how gloo aborts on a bad frame.
@@ -15,7 +15,7 @@ EXIT_TIMEOUT = 4  # a collective / send / recv timed out (a peer hung or a frame
 EXIT_COMM_ERROR = 5  # a collective failed (connection reset, peer gone, gloo enforce error)
 
 # Run statuses written by the launcher (summary.json) and, per rank, by the worker (status-rank{R}.json).
-STATUSES = ("ok", "diverged", "crashed", "hung", "error")
+STATUSES = ("ok", "diverged", "crashed", "hung", "error", "invalid")  # invalid: set by testbed train
 
 
 def metrics_path(run_dir, rank):
@@ -38,47 +38,5 @@ def final_params_path(run_dir, rank):
     return Path(run_dir) / f"final-rank{rank}.pt"
 
 
-def write_atomic(path, data):
-    """Write bytes or text to path via a temp file in the same directory + rename (readers never see half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache and run dirs are shared between users/containers
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json_atomic(path, obj):
-    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n")
-
-
-def append_jsonl(path, obj):
-    """Append one JSON line with a single write() (O_APPEND), so a reader sees whole lines only."""
-    line = json.dumps(obj, sort_keys=True, allow_nan=True) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-
-
-def read_jsonl(path):
-    """Read whole lines; a torn last line (writer killed mid-write) is skipped."""
-    rows = []
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return rows
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
+    _write_json_atomic(path, obj, sort_keys=True)

@@ -188,7 +188,7 @@ def get_batch(tokens, batch_size, seq_len, seed, step, rank):
     """Training batch (x, y=x shifted by one) for (seed, step, rank): random windows, the same on every rerun,
     different for every data-parallel rank and step, independent of anything that happened before."""
     rng = np.random.default_rng([0, seed, step, rank])
-    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)  # a window needs seq_len + 1 tokens
     return _windows(tokens, starts, seq_len)
 
 
@@ -196,7 +196,7 @@ def get_eval_batch(tokens, batch_size, seq_len, index):
     """Validation batch number `index`: fixed windows, the same for every seed, rank and step, so eval losses
     are comparable between runs and between replicas."""
     rng = np.random.default_rng([1, index])
-    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
     return _windows(tokens, starts, seq_len)
 
 

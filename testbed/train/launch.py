@@ -144,13 +144,34 @@ def _progress_signature(run_dir, world_size):
     return tuple(sig)
 
 
+class LineCounter:
+    """Lines of a file that only grows (a worker's metrics), counted from the new bytes only: the launcher
+    polls often, and re-reading whole metrics files (each row carries a parameter sample) would cost
+    O(steps^2) on the cores the workers need."""
+
+    def __init__(self, path):
+        self.path, self.offset, self.lines = Path(path), 0, 0
+
+    def count(self):
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return self.lines
+        self.offset += len(chunk)
+        self.lines += chunk.count(b"\n")
+        return self.lines
+
+
 def _clear(run_dir, world_size):
-    """A run directory belongs to one run: remove what an earlier run left (stale progress would mislead)."""
+    """A run directory belongs to one run: remove what an earlier run left (stale progress would mislead),
+    also files of ranks an earlier, larger run had."""
+    run_dir = Path(run_dir)
     for name in ("metrics.jsonl", "summary.json"):
-        (Path(run_dir) / name).unlink(missing_ok=True)
-    for r in range(world_size):
-        for p in (common.metrics_path(run_dir, r), common.status_path(run_dir, r), common.err_path(run_dir, r),
-                  common.final_params_path(run_dir, r)):
+        (run_dir / name).unlink(missing_ok=True)
+    for pattern in ("metrics-rank*.jsonl", "status-rank*.json", "worker-rank*.err", "final-rank*.pt"):
+        for p in run_dir.glob(pattern):
             p.unlink(missing_ok=True)
 
 
@@ -239,6 +260,7 @@ def run_workers(spawn, world_size, worker_argv, run_dir, env_for_rank, timeout_s
                    "PYTHONUNBUFFERED": "1"}
             procs[rank] = spawn(rank, argv, env)
         sig, last_change, steps_seen = None, time.monotonic(), 0
+        lines = {r: LineCounter(common.metrics_path(run_dir, r)) for r in range(world_size)}
         while True:
             now = time.monotonic()
             for rank, p in procs.items():
@@ -247,7 +269,7 @@ def run_workers(spawn, world_size, worker_argv, run_dir, env_for_rank, timeout_s
             new_sig = _progress_signature(run_dir, world_size)
             if new_sig != sig:
                 sig, last_change = new_sig, now
-                counts = [len(read_jsonl(common.metrics_path(run_dir, r))) for r in range(world_size)]
+                counts = [lines[r].count() for r in range(world_size)]
                 if min(counts) > steps_seen:
                     steps_seen = min(counts)
                     log(f"[{run_dir.name}] step {steps_seen}/{args.steps} ({now - t0:.1f}s)")

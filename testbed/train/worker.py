@@ -116,11 +116,13 @@ class Worker:
         self.mgmt = None
         self.mgmt_group = None
         self.step = None
+        self.phase = "starting"
         self.t_start = time.time()
 
     # ---- bookkeeping ------------------------------------------------------------------------------------
 
     def write_status(self, state, status=None, exit_code=None, reason=None, **extra):
+        self.phase = state
         write_json_atomic(common.status_path(self.run_dir, self.rank), {
             "rank": self.rank, "world_size": self.world_size, "state": state, "status": status,
             "exit_code": exit_code, "reason": reason, "step": self.step, "pid": os.getpid(),
@@ -248,6 +250,8 @@ class Worker:
             return self.run()
         except Exception as exc:
             code, status = classify(exc)
+            if self.phase == "data":  # preparing the corpus on this host: nothing to do with the network
+                code, status = common.EXIT_ERROR, "error"
             where = f"step {self.step}" if self.step is not None else "setup"
             first_line = (str(exc).strip().splitlines() or [""])[0]
             reason = f"{status} at {where}: {type(exc).__name__}: {first_line}"
