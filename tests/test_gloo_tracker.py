@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gloo_capture import SCRIPT, WORLD_SIZE, Direction, gloo_captures, op_sum, op_values  # noqa: E402,F401
 
+from testbed.engine.flows import FlowState, unwrap_offset  # noqa: E402
 from testbed.engine.gloo import (  # noqa: E402
     COLLECTIVE_CODES,
     GlooHeader,
@@ -31,10 +32,14 @@ from testbed.engine.gloo import (  # noqa: E402
     collective_codes,
     header_problem,
     parse_gloo_header,
-    stream_offset,
 )
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def stream_offset(seq: int, isn: int, reference: int = 0) -> int:
+    """Stream offset of ``seq`` in a direction whose SYN carried ``isn`` (the engine's ``unwrap_offset``)."""
+    return unwrap_offset(seq, (isn + 1) & 0xFFFFFFFF, reference)
 
 HYP = settings(max_examples=15, deadline=None, derandomize=True, database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -687,6 +692,26 @@ def test_recorded_offsets_through_stream_offset(dirs):
         for s in x.d.segments:  # everything again, as retransmissions: now every byte is classified
             if s.payload:
                 got.extend(t.eligible(stream_offset(s.seq, x.d.isn, t.frontier), s.payload))
+        assert merge(got) == x.expected
+
+
+def test_recorded_offsets_through_flow_state(dirs):
+    """The engine's path: FlowState.stream_offset on every recorded packet (SYN included) feeds the tracker."""
+    for x in dirs:
+        flow = FlowState(bytes(12), False)
+        t = None
+        got = []
+        for _ in range(2):  # the second time, everything as retransmissions: every byte is classified
+            for s in x.d.segments:
+                flags = sum(bit for ch, bit in (("F", 0x01), ("S", 0x02), ("R", 0x04), ("A", 0x10))
+                            if ch in s.flags)
+                off, new_stream = flow.stream_offset(s.seq, flags, len(s.payload))
+                if new_stream:
+                    assert t is None and flow.initiator == x.d.initiator
+                    t = GlooStreamTracker(flow.initiator)
+                if s.payload:
+                    got.extend(t.eligible(off, s.payload))
+            assert not t.desynced and t.frontier == len(x.stream)
         assert merge(got) == x.expected
 
 

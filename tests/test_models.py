@@ -110,6 +110,30 @@ def test_bernoulli_set_ber_applies_from_current_position():
     assert m2.flips(10**7).size == k2
 
 
+def test_bernoulli_skip_is_exact_inside_the_buffer_and_memoryless_beyond():
+    # while the drawn errors reach past the skipped stretch, skip(n) == flips(n) with the result dropped
+    a, b = BernoulliModel(1e-2, seed=21), BernoulliModel(1e-2, seed=21)
+    a.flips(1000)
+    b.flips(1000)
+    a.flips(50)
+    b.skip(50)
+    np.testing.assert_array_equal(a.flips(100000), b.flips(100000))
+    # a huge skip is O(1) (no flips drawn for it) and the rate after it is unchanged
+    m = BernoulliModel(1e-3, seed=22)
+    m.skip(1 << 50)
+    assert m.position == 1 << 50
+    assert_count_binomial(m.flips(10**7).size, 10**7, 1e-3)
+    # deterministic: same seed, same requests
+    m2 = BernoulliModel(1e-3, seed=22)
+    m2.skip(1 << 50)
+    m3 = BernoulliModel(1e-3, seed=22)
+    m3.skip(1 << 50)
+    np.testing.assert_array_equal(m2.flips(10**6), m3.flips(10**6))
+    z = BernoulliModel(0.0, seed=1)
+    z.skip(10**12)
+    assert z.flips(10**6).size == 0 and z.position == 10**12 + 10**6
+
+
 # -- Gilbert-Elliott ---------------------------------------------------------------------------------------------
 
 def batch_means_interval(values: np.ndarray, alpha: float = ALPHA) -> tuple[float, float]:
@@ -185,6 +209,28 @@ def test_gilbert_elliott_set_ber():
     m.set_ber(0.0)  # a running burst finishes (mean 32 bits), then the chain stays good for ever
     m.flips(10**4)
     assert m.state == m.GOOD and m.flips(10**8).size == 0
+
+
+def test_gilbert_elliott_skip_follows_the_chain():
+    """After skip(n), P(bad | state before) is the chain's n-step transition pi_b + (1[bad] - pi_b) * lam**n
+    (checked per start state over many seeds); a huge skip costs O(1) and leaves the mean BER."""
+    mean, burst, bad = 0.2, 8.0, 0.5  # pi_b = 0.4, p_bg = 1/8, p_gb = 1/12: lam = 0.79
+    for n in (1, 5, 30):
+        counts = {0: [0, 0], 1: [0, 0]}  # start state -> [trials, bad after]
+        for seed in range(3000):
+            m = GilbertElliottModel(mean, burst, bad, seed=seed)
+            s0 = m.state
+            m.skip(n)
+            counts[s0][0] += 1
+            counts[s0][1] += m.state == GilbertElliottModel.BAD
+        pi_b, lam = m.pi_bad, 1.0 - m.p_gb - m.p_bg
+        for s0, (trials, bad_after) in counts.items():
+            assert_count_binomial(bad_after, trials, pi_b + ((s0 == 1) - pi_b) * lam**n)
+    m = GilbertElliottModel(1e-3, 64.0, seed=5)
+    m.skip(1 << 50)
+    assert m.position == 1 << 50
+    lo, hi = batch_means_interval(np.array([m.flips(10**7).size / 1e7 for _ in range(40)]))
+    assert lo <= 1e-3 <= hi
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -317,3 +363,85 @@ def test_offset_keyed_seeds_and_keys():
     d = OffsetKeyedFlips(build_model(None, 1e-3, 2, 2, 0, 10, 20, 30)).flips_at(0, 10**6).positions
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c) and not np.array_equal(a, d)
+
+
+class CountingModel:
+    """A model wrapper that counts the flips it materialises and the bits it skips."""
+
+    def __init__(self, model):
+        self.model = model
+        self.materialised = 0
+        self.skipped = 0
+
+    @property
+    def ber(self):
+        return self.model.ber
+
+    @property
+    def position(self):
+        return self.model.position
+
+    def flips(self, n):
+        f = self.model.flips(n)
+        self.materialised += f.size
+        return f
+
+    def skip(self, n):
+        self.skipped += n
+        self.model.skip(n)
+
+    def set_ber(self, ber):
+        self.model.set_ber(ber)
+
+
+@pytest.mark.parametrize("model", [BernoulliModel(1e-3, seed=30), GilbertElliottModel(1e-3, 64.0, seed=31)],
+                         ids=["bernoulli", "gilbert_elliott"])
+def test_offset_keyed_huge_gap_is_cheap(model):
+    """A request far beyond the generated stream (1.5 GB, then 2**44 bits) generates only the last window
+    before it: the flips materialised do not grow with the gap; the part below is skipped and forgotten."""
+    window = 8 << 20
+    m = CountingModel(model)
+    o = OffsetKeyedFlips(m, window_bits=window)
+    o.flips_at(0, 12000)
+    bound = 2 * window * 1e-3 + 1000  # generous: one window of flips (bursty for Gilbert-Elliott)
+    for gap_end in (12 * 10**9, 1 << 44):
+        before = m.materialised
+        r = o.flips_at(gap_end, 96000)
+        assert m.position == gap_end + 96000
+        assert m.materialised - before <= bound
+        assert o._stored <= bound and o._hw == gap_end + 96000
+        assert r.new_bits == 96000 and r.retx_bits == 0
+        # inside the generated window: filled first time, and the same flips when requested again
+        a = o.flips_at(gap_end - 50000, 50000)
+        assert a.new_bits == 50000
+        np.testing.assert_array_equal(o.flips_at(gap_end - 50000, 50000).positions, a.positions)
+        # below it: skipped, never generated, counted as forgotten
+        f0 = o.forgotten_bits
+        old = o.flips_at(gap_end - 2 * window, 1000)
+        assert old.positions.size == 0 and old.new_bits == 0 and o.forgotten_bits == f0 + 1000
+    assert m.skipped >= (1 << 44) - 12 * 10**9 - 2 * window
+
+
+def test_offset_keyed_gap_horizon_follows_the_flip_cap():
+    """At a high BER the gap is generated only as far back as max_flips flips could be remembered."""
+    m = CountingModel(BernoulliModel(0.1, seed=32))
+    o = OffsetKeyedFlips(m, max_flips=10000)
+    o.flips_at(1 << 40, 8000)
+    assert m.materialised <= 10000 + 2000 and m.skipped >= (1 << 40) - 100000
+
+
+def test_offset_keyed_start_and_prune_hysteresis():
+    o = okf(ber=1e-2, start=80000, window_bits=80000)
+    r = o.flips_at(0, 1000)  # below the start: forgotten
+    assert r.positions.size == 0 and o.forgotten_bits == 1000
+    r = o.flips_at(80000, 8000)  # the start: the in-order path, like offset 0 of a fresh stream
+    assert r.new_bits == 8000 and o._hw == 88000
+    ref = okf(ber=1e-2, window_bits=80000).flips_at(0, 8000)
+    np.testing.assert_array_equal(r.positions, ref.positions)  # the same model stream, shifted
+    # pruned only when the window is exceeded by an eighth, then back to window_bits
+    end = 88000
+    while o._floor == 80000:
+        span = end - o._floor
+        o.flips_at(end, 1000)
+        end += 1000
+    assert span <= 80000 + 10000 < end - 80000 and o._floor == end - 80000

@@ -62,7 +62,7 @@ def ref_l4_ok(pkt: bytes) -> bool:
 def corruptor(**kw) -> Corruptor:
     spec = EngineSpec(netns="/run/netns/none", iface="veth0", control_socket="/nonexistent.sock",
                       stats_file="/nonexistent.json", **kw)
-    return Corruptor(spec)
+    return Corruptor(spec.validate())
 
 
 def bit_diff(a: bytes, b: bytes) -> int:
@@ -385,3 +385,172 @@ def test_pipeline_survives_hostile_streams(first, seed):
         out = c.process(memoryview(p))
         assert out is None or len(out) == len(p)
     assert c.counters.packets == len(pkts)
+
+
+# -- live changes and existing flows -----------------------------------------------------------------------------
+
+def gloo_frame(payload: bytes, code: int) -> bytes:
+    return struct.pack("<6Q", 48 + len(payload), 1, code << 56, 0, len(payload), 0) + payload
+
+
+def send_stream(c: Corruptor, data: bytes, seq: int, sport: int = 40000, mss: int = 1448) -> bytes:
+    """Pass ``data`` through ``c`` as consecutive segments from ``seq``; returns the payload bytes out."""
+    out = bytearray()
+    for off in range(0, len(data), mss):
+        chunk = data[off:off + mss]
+        r = c.process(memoryview(tcp_bytes(chunk, seq=(seq + off) & 0xFFFFFFFF, sport=sport)))
+        out += chunk if r is None else bytes(r)[40:]
+    return bytes(out)
+
+
+def test_collective_names_are_validated():
+    with pytest.raises(ValueError, match="allreduse"):
+        EngineSpec(netns="/x", iface="v", control_socket="/s", stats_file="/f", scope="tensor",
+                   collectives=["allreduse"]).validate()
+    spec = EngineSpec(netns="/x", iface="v", control_socket="/s", stats_file="/f", scope="tensor",
+                      collectives="broadcast").validate()
+    assert spec.collectives == ["broadcast"]
+    c = corruptor(ber=0.1, seed=12, scope="tensor", collectives=["allreduce"])
+    with pytest.raises(ValueError, match="allreduse"):
+        c.set(collectives=["allreduse"])
+    assert c.collectives == ["allreduce"]
+
+
+def test_live_collectives_change_reaches_existing_trackers():
+    """A new filter applies to connections already open (from their next frame), computed once per set."""
+    c = corruptor(ber=0.1, seed=12, scope="tensor", collectives=["allreduce"])
+    rng = np.random.default_rng(12)
+    p1, p2, p3 = rng.bytes(3000), rng.bytes(3000), rng.bytes(3000)
+    for sport in (40000, 40001):
+        c.process(memoryview(tcp_bytes(b"", seq=99, flags="S", sport=sport)))
+    first = struct.pack("<q", 1) + gloo_frame(p1, 0x04)  # handshake + an allreduce frame
+    out = send_stream(c, first, 100)
+    assert bit_diff(out[56:], p1) > 0
+    flipped = c.counters.bits_flipped
+    c.set(collectives=["broadcast"])
+    trackers = [f.tracker for f in c.flows.values()]
+    assert len(trackers) == 2 and trackers[0].codes is trackers[1].codes is c._codes
+    assert trackers[0].codes == {0x06}
+    second = gloo_frame(p2, 0x04) + gloo_frame(p3, 0x06)  # allreduce now filtered out, broadcast in
+    out = send_stream(c, second, 100 + len(first))
+    assert out[:48 + len(p2) + 48] == second[:48 + len(p2) + 48]
+    assert bit_diff(out[48 + len(p2) + 48:], p3) == c.counters.bits_flipped - flipped > 0
+
+
+def test_live_switch_to_offset_keyed_restarts_streams():
+    """payload+keep does not follow stream offsets; switching to fix after 3 GiB must not generate a 3 GiB
+    gap (nor unwrap it into another 4 GiB epoch): the flow restarts at its next packet."""
+    c = corruptor(ber=1e-3, seed=13, checksum="keep")
+    c.process(memoryview(tcp_bytes(b"", seq=0, flags="S")))
+    send_stream(c, b"k" * 20000, 1)
+    flow = next(iter(c.flows.values()))
+    generation = c._generation
+    seq = (1 + (3 << 30)) & 0xFFFFFFFF  # 3 GiB later
+    send_stream(c, b"k" * 20000, seq)
+    c.set(checksum="fix")
+    assert c._generation == generation + 1 and flow.base is None and flow.okf is None
+    seen = c.counters.bits_seen
+    send_stream(c, b"f" * 14480, seq + 20000)
+    assert flow.base == seq + 20000 and flow.top == 14480
+    assert flow.okf._hw == 14480 * 8 and flow.okf._stored < 1000
+    assert c.counters.bits_seen - seen == 14480 * 8 and c.counters.forgotten_bits == 0
+    # and back: keep, 3 GiB more, fix again: again a fresh start
+    c.set(checksum="keep")
+    seq2 = (seq + (3 << 30)) & 0xFFFFFFFF
+    send_stream(c, b"k" * 3000, seq2)
+    c.set(checksum="fix")
+    send_stream(c, b"f" * 3000, seq2 + 3000)
+    assert flow.base == (seq2 + 3000) & 0xFFFFFFFF and flow.top == 3000 and flow.okf._hw == 3000 * 8
+
+
+def test_live_switch_tensor_keep_to_fix_keys_flips_from_the_switch():
+    """tensor+keep follows offsets (the tracker needs them) but draws from the link model; turning fix on
+    starts each flow's offset-keyed flips at its current offset, not at 0 (no gap generated)."""
+    c = corruptor(ber=1e-3, seed=14, scope="tensor", checksum="keep")
+    c.process(memoryview(tcp_bytes(b"", seq=99, flags="S")))
+    payload = np.random.default_rng(14).bytes(200000)
+    stream = struct.pack("<q", 1) + gloo_frame(payload, 0x04)
+    cut = 100000
+    send_stream(c, stream[:cut], 100)
+    flow = next(iter(c.flows.values()))
+    assert flow.okf is None and flow.top == cut
+    c.set(checksum="fix")
+    assert flow.keyed_from == cut and flow.tracker is not None
+    seen, flipped = c.counters.bits_seen, c.counters.bits_flipped
+    out = send_stream(c, stream[cut:], 100 + cut)
+    assert flow.okf._stored < 1000 and flow.okf._floor == cut * 8
+    assert c.counters.bits_seen - seen == (len(stream) - cut) * 8
+    assert bit_diff(out, stream[cut:]) == c.counters.bits_flipped - flipped > 0
+    # a retransmission from before the switch: no flips (counted as forgotten), the same ranges
+    r = c.process(memoryview(tcp_bytes(stream[cut - 1448:cut], seq=100 + cut - 1448)))
+    assert r is None and c.counters.forgotten_bits == 1448 * 8
+
+
+def test_live_scope_change_to_tensor_drops_trackers():
+    c = corruptor(ber=0.1, seed=15, scope="tensor")
+    c.process(memoryview(tcp_bytes(b"", seq=99, flags="S")))
+    flow = next(iter(c.flows.values()))
+    assert flow.tracker is not None
+    c.set(scope="payload")
+    assert flow.tracker is None
+    send_stream(c, b"p" * 3000, 100)
+    c.set(scope="tensor")
+    assert c.process(memoryview(tcp_bytes(b"p" * 1000, seq=3100))) is None
+    assert c.counters.flows_midstream == 1
+
+
+def test_model_change_restarts_flips_at_the_current_offset():
+    c = corruptor(ber=1e-3, seed=16)
+    c.process(memoryview(tcp_bytes(b"", seq=0, flags="S")))
+    send_stream(c, b"a" * 14480, 1)
+    flow = next(iter(c.flows.values()))
+    old = flow.okf
+    c.set(seed=17)
+    assert flow.okf is None and flow.keyed_from == 14480 and flow.base == 1
+    send_stream(c, b"a" * 1448, 1 + 14480)
+    assert flow.okf is not old and flow.okf._floor == 14480 * 8 and flow.top == 14480 + 1448
+
+
+def test_flow_key_with_and_without_ip_options():
+    c = corruptor(ber=0.0)
+    c.process(memoryview(tcp_bytes(b"x" * 10, seq=1)))
+    c.process(memoryview(tcp_bytes(b"x" * 10, seq=11, ip_options=[IPOption_RR()])))
+    c.process(memoryview(tcp_bytes(b"x" * 10, seq=21, sport=40001)))
+    assert sorted(c.flows) == sorted([bytes([10, 99, 0, 1, 10, 99, 0, 2]) + struct.pack("!HH", p, 5001)
+                                      for p in (40000, 40001)])
+
+
+def test_flow_table_evicts_closed_flows_then_least_recently_used():
+    c = corruptor(ber=0.0)
+    c.flows.max_flows = 8
+    for port in range(40000, 40008):
+        c.process(memoryview(tcp_bytes(b"x", seq=1, sport=port)))
+    c.process(memoryview(tcp_bytes(b"", seq=2, sport=40005, flags="FA")))  # 40005 closes
+    c.process(memoryview(tcp_bytes(b"", seq=2, sport=40006, flags="R")))  # 40006 resets
+    c.process(memoryview(tcp_bytes(b"", seq=2, sport=40007, flags="F")))
+    c.process(memoryview(tcp_bytes(b"", seq=5, sport=40007, flags="S")))  # ... and reopens
+    c.process(memoryview(tcp_bytes(b"x", seq=2, sport=40000)))  # the oldest flow is active again
+    c.process(memoryview(tcp_bytes(b"x", seq=1, sport=41000)))  # full: a quarter (2 flows) goes
+    ports = sorted(struct.unpack("!H", k[8:10])[0] for k in c.flows)
+    assert ports == [40000, 40001, 40002, 40003, 40004, 40007, 41000]  # closed first, not the oldest
+    c.process(memoryview(tcp_bytes(b"x", seq=1, sport=41001)))
+    c.process(memoryview(tcp_bytes(b"x", seq=1, sport=41002)))  # full again: least recently used go
+    ports = sorted(struct.unpack("!H", k[8:10])[0] for k in c.flows)
+    assert ports == [40000, 40003, 40004, 40007, 41000, 41001, 41002]
+
+
+def test_tensor_keep_maps_flips_over_several_ranges():
+    """scope tensor + keep: flips drawn over the eligible ranges of a segment holding several frames land only
+    in frame payloads, and their number is bits_flipped."""
+    c = corruptor(ber=0.02, seed=18, scope="tensor", checksum="keep")
+    c.process(memoryview(tcp_bytes(b"", seq=99, flags="S")))
+    rng = np.random.default_rng(18)
+    frames = [rng.bytes(int(n)) for n in (300, 5, 200, 400)]
+    stream = struct.pack("<q", 1) + b"".join(gloo_frame(p, 0x04) for p in frames)
+    out = send_stream(c, stream, 100, mss=4000)
+    pos = 8
+    for p in frames:
+        assert out[pos:pos + 48] == stream[pos:pos + 48]
+        pos += 48 + len(p)
+    assert bit_diff(out, stream) == c.counters.bits_flipped > 0
+    assert c.counters.bits_seen == 8 * sum(len(p) for p in frames)

@@ -1,5 +1,5 @@
-"""The engine's configuration: one JSON object (docs/contracts.md, "Engine process"), written by the manager
-and read by the engine process. ``EngineSpec`` is that object as a dataclass."""
+"""The engine's configuration: one JSON object, written by the manager and read by the engine process.
+``EngineSpec`` is that object as a dataclass; its fields are listed in docs/engine.md ("Configuration")."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .gloo import collective_codes
 from .models import validate_error_model
 
 __all__ = ["EngineSpec", "SCOPES", "CHECKSUM_MODES", "HOOKS", "SETTABLE"]
@@ -47,6 +48,8 @@ class EngineSpec:
         if self.seed is None:
             self.seed = 0
         self.control_ports = [int(p) for p in (self.control_ports or [])]
+        if isinstance(self.collectives, str):
+            self.collectives = [self.collectives]
         self.collectives = list(self.collectives) if self.collectives else None
 
     def validate(self) -> "EngineSpec":
@@ -74,8 +77,10 @@ class EngineSpec:
                 raise ValueError("capture must be null or {\"dir\": PATH, \"max_bytes\": N}")
             self.capture = {"dir": str(self.capture["dir"]),
                             "max_bytes": int(self.capture.get("max_bytes", 10_000_000))}
-        if self.collectives is not None and self.scope != "tensor":
-            raise ValueError("collectives filters apply to scope 'tensor' only")
+        if self.collectives is not None:
+            if self.scope != "tensor":
+                raise ValueError("collectives filters apply to scope 'tensor' only")
+            collective_codes(self.collectives)  # unknown names: ValueError listing the known ones
         return self
 
     def to_dict(self) -> dict:

@@ -11,6 +11,8 @@ Which model draws the flips:
 - everything else (``keep``, UDP, scope ``all``): one sequential model per engine (= per link direction).
   Retransmissions get fresh, independent errors, as on a real link; in ``keep`` mode they must, or a
   corrupted segment would be dropped again on every retransmission and the flow would stall.
+
+Live changes (``set``) and existing flows: see docs/engine.md, "Live changes and existing flows".
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import logging
 import numpy as np
 
 from .config import SETTABLE, EngineSpec
-from .flows import FlowState, FlowTable, flow_key_ints
-from .models import OffsetKeyedFlips, build_model, validate_error_model
+from .flows import TCP_SYN, FlowState, FlowTable, flow_key_ints
+from .gloo import GlooStreamTracker, collective_codes
+from .models import OffsetKeyedFlips, build_model
 from .nfqueue import SKB_CSUMNOTREADY
 from .packet import (
     IPPROTO_TCP,
@@ -33,12 +36,7 @@ from .packet import (
 )
 from .stats import Counters
 
-try:  # scope "tensor": the gloo stream tracker (testbed/engine/gloo.py)
-    from .gloo import GlooStreamTracker
-except ImportError:  # pragma: no cover - the tracker ships with the package
-    GlooStreamTracker = None
-
-__all__ = ["Corruptor", "uses_gso"]
+__all__ = ["Corruptor", "offset_keyed", "uses_gso"]
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +45,28 @@ _TAG_LINK = 1
 _TAG_FLOW = 2
 
 
-def uses_gso(scope: str, checksum: str) -> bool:
-    """Whether the queue should take GSO super-packets (NFQA_CFG_F_GSO).
-
-    Only for ``fix`` with scope ``payload``/``tensor``: the packet is checksummed again in full after the
-    flips, and offset-keyed flips do not depend on how the stream is cut into packets, so big packets change
-    nothing but speed. ``keep`` and ``all`` need MTU-sized frames (without the flag the kernel segments and
-    completes checksums before queueing) so each frame is corrupted and checked as on a real link.
+def offset_keyed(scope: str, checksum: str) -> bool:
+    """Whether TCP flips are drawn per flow direction by ``OffsetKeyedFlips`` (keyed by stream offset):
+    checksum ``fix`` with scope ``payload``/``tensor``. Everything else draws from the link's sequential model.
     """
     return checksum == "fix" and scope in ("payload", "tensor")
 
 
+def uses_gso(scope: str, checksum: str) -> bool:
+    """Whether the queue should take GSO super-packets (NFQA_CFG_F_GSO): exactly in the offset-keyed modes.
+
+    There the packet is checksummed again in full after the flips, and offset-keyed flips do not depend on
+    how the stream is cut into packets, so big packets change nothing but speed. ``keep`` and ``all`` need
+    MTU-sized frames (without the flag the kernel segments and completes checksums before queueing) so each
+    frame is corrupted and checked as on a real link.
+    """
+    return offset_keyed(scope, checksum)
+
+
 class Corruptor:
+    """``spec`` must be validated (``EngineSpec.validate()`` returns it; ``Engine`` does it)."""
+
     def __init__(self, spec: EngineSpec, capture=None):
-        spec.validate()
         self.spec = spec
         self.ber = float(spec.ber)
         self.error_model = dict(spec.error_model)
@@ -68,6 +74,7 @@ class Corruptor:
         self.checksum = spec.checksum
         self.seed = int(spec.seed)
         self.collectives = spec.collectives
+        self._codes = collective_codes(self.collectives)  # the tensor-scope filter, shared by all trackers
         self.control_ports = frozenset(spec.control_ports)
         self.capture = capture
         self.counters = Counters(self.ber)
@@ -82,9 +89,14 @@ class Corruptor:
         return build_model(self.error_model, self.ber, self.seed, tag, self._generation, *key)
 
     def _update_mode(self) -> None:
-        self.offset_keyed = self.checksum == "fix" and self.scope in ("payload", "tensor")
+        self.offset_keyed = offset_keyed(self.scope, self.checksum)
+        self.tracks_streams = self.offset_keyed or self.scope == "tensor"  # TCP stream offsets followed
         self.fix = self.checksum == "fix"
-        self.gso = uses_gso(self.scope, self.checksum)
+
+    @property
+    def gso(self) -> bool:
+        """Whether the queue should take GSO super-packets (``uses_gso``)."""
+        return self.offset_keyed
 
     def settings(self) -> dict:
         return {"ber": self.ber, "error_model": dict(self.error_model), "scope": self.scope,
@@ -93,7 +105,8 @@ class Corruptor:
 
     def set(self, **settings) -> dict:
         """Change settings live (keys: ``SETTABLE``; None values are ignored). Raises ValueError, changing
-        nothing, if a value is invalid. Returns the settings now in force."""
+        nothing, if a value is invalid. Returns the settings now in force. What happens to existing flows:
+        ``_settle_flows`` (docs/engine.md, "Live changes and existing flows")."""
         settings = {k: v for k, v in settings.items() if v is not None}
         unknown = set(settings) - set(SETTABLE)
         if unknown:
@@ -105,33 +118,66 @@ class Corruptor:
                            scope=new["scope"], checksum=new["checksum"], seed=new["seed"],
                            collectives=new["collectives"] if new["scope"] == "tensor" else None,
                            control_ports=new["control_ports"])
-        probe.validate()  # raises before anything changes
-        em = validate_error_model(probe.error_model, probe.ber)
+        probe.validate()  # raises before anything changes (normalizes error_model, checks collective names)
+        codes = collective_codes(probe.collectives)
+        em = probe.error_model
         rebuild = em != self.error_model or int(probe.seed) != self.seed
         ber_changed = float(probe.ber) != self.ber
+        old = (self.scope, self.offset_keyed, self.tracks_streams)
         self.error_model, self.seed = em, int(probe.seed)
         self.scope, self.checksum, self.collectives = probe.scope, probe.checksum, probe.collectives
+        self._update_mode()
         if ber_changed or rebuild:
             self.ber = float(probe.ber)
             self.counters.new_epoch(self.ber)
         if rebuild:
             self._generation += 1
             self.link_model = self._build(_TAG_LINK)
-            for flow in self.flows.values():
-                if flow.okf is not None:
-                    flow.okf.model = self._build(_TAG_FLOW, flow.conn, *flow_key_ints(flow.key))
         elif ber_changed:
             self.link_model.set_ber(self.ber)
             for flow in self.flows.values():
                 if flow.okf is not None:
                     flow.okf.set_ber(self.ber)
+        self._settle_flows(*old, rebuild, codes)
         ports = frozenset(int(p) for p in probe.control_ports)
         if ports != self.control_ports:
             self.control_ports = ports
             for flow in self.flows.values():
                 flow.excluded = self._is_control(flow.key)
-        self._update_mode()
         return self.settings()
+
+    def _settle_flows(self, old_scope: str, old_keyed: bool, old_tracks: bool, rebuild: bool, codes) -> None:
+        """Bring existing flows in line with the new settings (O(1) per flow: no model is built here).
+
+        - Scope changed to or from ``tensor``: trackers are dropped. A tracker must parse its stream from
+          the first byte, so a connection open across the change is treated as first seen mid-stream.
+        - Stream offsets followed now but not before (from ``payload``+``keep`` or ``all``): offsets were not
+          updated meanwhile, so every flow forgets its stream and restarts at its next packet (as if first
+          seen there; a later gap would otherwise be unwrapped into the wrong 4 GiB epoch).
+        - Offset-keyed flips turned on with offsets followed all along (``tensor``+``keep`` -> ``fix``), or a
+          new model or seed: the flips restart at each flow's current offset (``keyed_from``) with a new
+          model (new seed generation). Bytes below it that come again are counted as forgotten.
+        - Collective filter changed: every live tracker gets the new codes (from its next frame header on).
+        """
+        tensor_changed = (old_scope == "tensor") != (self.scope == "tensor")
+        tracks_on = self.tracks_streams and not old_tracks
+        restart_flips = rebuild or (self.offset_keyed and not old_keyed)
+        codes_changed = codes != self._codes
+        self._codes = codes
+        if restart_flips and not rebuild:
+            self._generation += 1  # new per-flow streams, never a replay of the ones used before
+        if not (tensor_changed or tracks_on or restart_flips or codes_changed):
+            return
+        for flow in self.flows.values():
+            if tensor_changed:
+                flow.tracker = None
+            elif codes_changed and flow.tracker is not None:
+                flow.tracker.codes = codes
+            if tracks_on:
+                flow.forget_stream()
+            elif restart_flips:
+                flow.okf = None
+                flow.keyed_from = flow.top
 
     # -- per packet --------------------------------------------------------------------------------------------
 
@@ -155,18 +201,24 @@ class Corruptor:
             c.unparsed(parsed)
             return None
         proto, ihl, l4h, total = parsed
-        key = bytes(pkt[12:20]) + bytes(pkt[ihl:ihl + 4])
+        # flow key: src addr, dst addr, src port, dst port
+        key = bytes(pkt[12:24]) if ihl == 20 else bytes(pkt[12:20]) + bytes(pkt[ihl:ihl + 4])
         flow = self.flows.get(key)
         if flow is None:
             flow = self._new_flow(key)
+        flow.last = c.packets
+        if proto == IPPROTO_TCP:
+            flags = pkt[ihl + 13]
+            if flags & 0x07:  # FIN/RST: closed (evicted first when the table is full); SYN: open again
+                flow.closed = not flags & TCP_SYN
         if flow.excluded:
             return None
         pay = ihl + l4h
         if self.scope == "all":
             return self._sequential(pkt, 0, total, proto, ihl, total, info, whole=True)
         if proto == IPPROTO_TCP:
-            if self.offset_keyed or self.scope == "tensor":
-                return self._tcp_stream(flow, pkt, ihl, pay, total, info)
+            if self.tracks_streams:
+                return self._tcp_stream(flow, pkt, ihl, pay, total, info, flags)
             return self._sequential(pkt, pay, total, proto, ihl, total, info)
         if self.scope == "tensor":  # gloo runs over TCP: no tensor bytes in UDP
             return None
@@ -183,14 +235,13 @@ class Corruptor:
         c.bits_flipped += f.size
         return self._emit(pkt, a, f, proto, ihl, total, info, whole)
 
-    def _tcp_stream(self, flow: FlowState, pkt, ihl: int, pay: int, total: int, info: int):
+    def _tcp_stream(self, flow: FlowState, pkt, ihl: int, pay: int, total: int, info: int, flags: int):
         plen = total - pay
         seq = (pkt[ihl + 4] << 24) | (pkt[ihl + 5] << 16) | (pkt[ihl + 6] << 8) | pkt[ihl + 7]
-        off, new_stream = flow.stream_offset(seq, pkt[ihl + 13], plen)
+        off, new_stream = flow.stream_offset(seq, flags, plen)
         if new_stream and self.scope == "tensor":
-            if GlooStreamTracker is None:  # pragma: no cover
-                raise RuntimeError("scope 'tensor' needs testbed/engine/gloo.py")
-            flow.tracker = GlooStreamTracker(flow.initiator, self.collectives)
+            tracker = flow.tracker = GlooStreamTracker(flow.initiator)
+            tracker.codes = self._codes  # computed once per setting, not per flow
         if plen <= 0:
             return None
         c = self.counters
@@ -215,10 +266,11 @@ class Corruptor:
             else:
                 ranges = None
         if not self.offset_keyed:  # tensor + keep: eligible ranges from the tracker, flips from the link model
-            return self._sequential_ranges(pkt, off, pay, ranges, IPPROTO_TCP, ihl, total, info)
+            return self._sequential_ranges(pkt, off, pay, ranges, ihl, total, info)
         okf = flow.okf
         if okf is None:
-            okf = flow.okf = OffsetKeyedFlips(self._build(_TAG_FLOW, flow.conn, *flow_key_ints(flow.key)))
+            okf = flow.okf = OffsetKeyedFlips(self._build(_TAG_FLOW, flow.conn, *flow_key_ints(flow.key)),
+                                              start=flow.keyed_from << 3)
         forgotten = okf.forgotten_bits
         if ranges is None:  # payload scope, whole segment
             r = okf.flips_at(off << 3, plen << 3)
@@ -248,24 +300,28 @@ class Corruptor:
         return self._emit(pkt, pay, parts[0] if len(parts) == 1 else np.concatenate(parts), IPPROTO_TCP, ihl,
                           total, info)
 
-    def _sequential_ranges(self, pkt, off: int, pay: int, ranges, proto, ihl, total, info):
-        """Sequential-model flips over the eligible stream ranges (absolute offsets) of one segment."""
-        if ranges is None:
-            return self._sequential(pkt, pay, total, proto, ihl, total, info)
-        lengths = np.array([(e - s) << 3 for s, e in ranges], dtype=np.int64)
-        nbits = int(lengths.sum())
+    def _sequential_ranges(self, pkt, off: int, pay: int, ranges, ihl: int, total: int, info: int):
+        """Sequential-model flips over the eligible stream ranges (absolute offsets, non-empty list) of one
+        TCP segment (scope ``tensor`` with ``keep``)."""
+        nbytes = 0
+        for s, e in ranges:
+            nbytes += e - s
+        nbits = nbytes << 3
         c = self.counters
         c.bits_seen += nbits
         f = self.link_model.flips(nbits)
         if not f.size:
             return None
         c.bits_flipped += f.size
-        # map positions in the concatenated eligible bits back to the payload
-        ends = np.cumsum(lengths)
-        starts = np.array([(s - off) << 3 for s, _ in ranges], dtype=np.int64)
-        k = np.searchsorted(ends, f, side="right")
-        positions = f - (ends[k] - lengths[k]) + starts[k]
-        return self._emit(pkt, pay, positions, proto, ihl, total, info)
+        if len(ranges) == 1:
+            positions = f + ((ranges[0][0] - off) << 3)
+        else:  # map positions in the concatenated eligible bits back to the payload
+            lengths = np.array([(e - s) << 3 for s, e in ranges], dtype=np.int64)
+            ends = np.cumsum(lengths)
+            starts = np.array([(s - off) << 3 for s, _ in ranges], dtype=np.int64)
+            k = np.searchsorted(ends, f, side="right")
+            positions = f - (ends[k] - lengths[k]) + starts[k]
+        return self._emit(pkt, pay, positions, IPPROTO_TCP, ihl, total, info)
 
     def _emit(self, pkt, base: int, positions: np.ndarray, proto: int, ihl: int, total: int, info: int,
               whole: bool = False):
@@ -314,7 +370,7 @@ class Corruptor:
         d = self.counters.to_dict()
         d.update(self.settings())
         d["flows"] = len(self.flows)
-        d["gso"] = self.gso
+        d["gso"] = self.offset_keyed
         if self.capture is not None:
             d["capture"] = self.capture.stats()
         return d

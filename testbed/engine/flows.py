@@ -1,15 +1,20 @@
 """Per flow-direction state: TCP stream offsets (from the ISN seen in the SYN, or the first sequence number
-seen), the offset-keyed flips, the gloo tracker, and whether the flow is excluded (control ports)."""
+seen), the offset-keyed flips, the gloo tracker, whether the flow is excluded (control ports), and what the
+flow table needs to pick flows to forget (closed, last seen)."""
 
 from __future__ import annotations
 
-from itertools import islice
+import numpy as np
 
-__all__ = ["FlowState", "FlowTable", "flow_key_ints", "TCP_SYN", "TCP_ACK"]
+__all__ = ["FlowState", "FlowTable", "flow_key_ints", "unwrap_offset", "TCP_FIN", "TCP_SYN", "TCP_RST",
+           "TCP_ACK"]
 
+TCP_FIN = 0x01
 TCP_SYN = 0x02
+TCP_RST = 0x04
 TCP_ACK = 0x10
 _M32 = 0xFFFFFFFF
+_OPEN = 1 << 62  # eviction order: open flows after every closed one
 
 
 def flow_key_ints(key: bytes) -> tuple[int, int, int]:
@@ -17,11 +22,22 @@ def flow_key_ints(key: bytes) -> tuple[int, int, int]:
     return (int.from_bytes(key[0:4], "big"), int.from_bytes(key[4:8], "big"), int.from_bytes(key[8:12], "big"))
 
 
+def unwrap_offset(seq: int, base: int, reference: int = 0) -> int:
+    """Stream offset of TCP sequence number ``seq`` in a stream whose byte 0 has sequence number ``base``
+    (the ISN + 1 of the direction's SYN): ``(seq - base) mod 2**32``, unwrapped to the 64-bit value closest
+    to ``reference`` (the highest offset seen so far), so streams longer than 4 GiB keep increasing offsets.
+    Negative for bytes before ``base`` (a retransmitted SYN: ``seq == base - 1`` gives -1)."""
+    d = ((seq - base) - reference) & _M32
+    if d >= 0x80000000:
+        d -= 0x100000000
+    return reference + d
+
+
 class FlowState:
     """One direction of one flow (a 4-tuple as it passes this engine)."""
 
-    __slots__ = ("key", "excluded", "base", "top", "okf", "tracker", "initiator", "conn", "syn_seen",
-                 "desync_counted")
+    __slots__ = ("key", "excluded", "base", "top", "okf", "keyed_from", "tracker", "initiator", "conn",
+                 "desync_counted", "closed", "last")
 
     def __init__(self, key: bytes, excluded: bool):
         self.key = key
@@ -29,29 +45,35 @@ class FlowState:
         self.base: int | None = None  # sequence number of stream offset 0
         self.top = 0  # highest stream offset (64-bit, unwrapped) seen so far, exclusive
         self.okf = None  # OffsetKeyedFlips, created on first use
+        self.keyed_from = 0  # stream offset (bytes) where offset-keyed flips start (> 0 after a live switch)
         self.tracker = None  # GlooStreamTracker (scope tensor), only for flows whose SYN was seen
         self.initiator: bool | None = None
         self.conn = 0  # connection number on this 4-tuple (a new SYN restarts the stream)
-        self.syn_seen = False
         self.desync_counted = False
+        self.closed = False  # a FIN or RST went by (and no SYN since): forgotten first when the table is full
+        self.last = 0  # when the flow was last seen (the engine's packet count): LRU order for the table
 
     def restart(self) -> None:
         """A new connection reuses the 4-tuple: forget the old stream."""
-        self.base = None
-        self.top = 0
-        self.okf = None
+        self.forget_stream()
         self.tracker = None
         self.initiator = None
         self.conn += 1
-        self.syn_seen = False
         self.desync_counted = False
+
+    def forget_stream(self) -> None:
+        """Forget the stream position and the offset-keyed flips: the next packet starts the stream afresh
+        (as a flow first seen mid-stream unless it is a SYN)."""
+        self.base = None
+        self.top = 0
+        self.okf = None
+        self.keyed_from = 0
 
     def stream_offset(self, seq: int, flags: int, payload_len: int) -> tuple[int, bool]:
         """Stream offset of the payload's first byte, and whether this packet starts a new stream (SYN).
 
-        Offsets are 64-bit: the 32-bit difference to ``base`` is unwrapped to the value closest to the
-        highest offset seen, so streams longer than 4 GiB keep increasing offsets. A flow first seen
-        mid-stream counts from its first sequence number; bytes before it get negative offsets.
+        Offsets are 64-bit (``unwrap_offset`` against the highest offset seen). A flow first seen mid-stream
+        counts from its first sequence number; bytes before it get negative offsets.
         """
         new_stream = False
         if flags & TCP_SYN:
@@ -61,15 +83,11 @@ class FlowState:
             if self.base is None:
                 new_stream = True
             self.base = isn_base
-            self.syn_seen = True
             self.initiator = not (flags & TCP_ACK)
             seq = isn_base  # SYN payload (TCP Fast Open) starts after the SYN's sequence number
         elif self.base is None:
             self.base = seq
-        d = ((seq - self.base) - self.top) & _M32
-        if d >= 0x80000000:
-            d -= 0x100000000
-        off = self.top + d
+        off = unwrap_offset(seq, self.base, self.top)
         end = off + payload_len
         if end > self.top:
             self.top = end
@@ -77,7 +95,10 @@ class FlowState:
 
 
 class FlowTable(dict):
-    """key -> FlowState, bounded: when full, the oldest quarter (insertion order) is forgotten."""
+    """key -> FlowState, bounded: when full, a quarter of the flows is forgotten, those that saw a FIN or RST
+    first, then the least recently seen (``FlowState.last``). Long-lived flows that are still active (a
+    training job's connections) are kept: a forgotten flow that comes back is a flow first seen mid-stream,
+    which scope ``tensor`` never corrupts."""
 
     def __init__(self, max_flows: int = 65536):
         super().__init__()
@@ -85,7 +106,17 @@ class FlowTable(dict):
 
     def add(self, flow: FlowState) -> FlowState:
         if len(self) >= self.max_flows:
-            for k in list(islice(self, max(1, self.max_flows // 4))):
-                del self[k]
+            self.evict(max(1, self.max_flows // 4))
         self[flow.key] = flow
         return flow
+
+    def evict(self, n: int) -> None:
+        """Forget ``n`` flows: closed ones first, then the least recently seen."""
+        flows = list(self.values())
+        if n >= len(flows):
+            self.clear()
+            return
+        order = np.fromiter((f.last if f.closed else f.last + _OPEN for f in flows), dtype=np.int64,
+                            count=len(flows))
+        for i in np.argpartition(order, n)[:n].tolist():
+            del self[flows[i].key]

@@ -40,7 +40,6 @@ __all__ = [
     "parse_gloo_header",
     "header_problem",
     "collective_codes",
-    "stream_offset",
     "GlooStreamTracker",
 ]
 
@@ -172,19 +171,6 @@ def collective_codes(collectives) -> frozenset[int] | None:
     return frozenset(codes)
 
 
-def stream_offset(seq: int, isn: int, reference: int = 0) -> int:
-    """Stream offset of TCP sequence number ``seq`` in a direction whose SYN carried ``isn``.
-
-    ``(seq - (isn + 1)) mod 2**32``, unwrapped to the value closest to ``reference`` (pass the tracker's
-    ``frontier``), so streams longer than 4 GiB keep increasing offsets. May be negative for a
-    retransmitted SYN (the tracker ignores bytes below 0).
-    """
-    d = ((seq - isn - 1) - reference) & 0xFFFFFFFF
-    if d >= 0x80000000:
-        d -= 0x100000000
-    return reference + d
-
-
 # --- tracker --------------------------------------------------------------------------------------------------
 
 _HANDSHAKE, _HEADER, _PAYLOAD = 0, 1, 2
@@ -214,13 +200,15 @@ class GlooStreamTracker:
         "_rec_s", "_rec_e", "_rec_head", "_horizon", "_pending", "_pending_bytes",
         "frames", "data_frames", "eligible_bytes", "payload_bytes", "header_bytes",
         "retransmitted_bytes", "ooo_bytes", "stale_bytes", "desynced", "desync_reason",
-        "handshake", "bytes_by_collective", "_last",
+        "handshake", "bytes_by_collective",
     )
 
     def __init__(self, initiator: bool, collectives: set[str] | None = None, max_frame_bytes: int = 1 << 31,
                  *, history_bytes: int = 64 << 20, max_ooo_bytes: int = 16 << 20):
         self.initiator = bool(initiator)
-        self.codes = collective_codes(collectives)  # None: every data frame is eligible
+        # Slot codes of the collectives whose payload is eligible; None: every data frame. Settable: the
+        # engine computes them once per setting and assigns them to every live tracker (next frame on).
+        self.codes = collective_codes(collectives)
         self.max_frame_bytes = int(max_frame_bytes)
         self.history_bytes = int(history_bytes)
         self.max_ooo_bytes = int(max_ooo_bytes)
@@ -251,7 +239,6 @@ class GlooStreamTracker:
         self.desync_reason: str | None = None
         self.handshake: int | None = None
         self.bytes_by_collective: dict[str, int] = {}  # data payload bytes announced, per collective
-        self._last: tuple | None = None
 
     # -- public ----------------------------------------------------------------------------------------------
 
@@ -281,11 +268,6 @@ class GlooStreamTracker:
                 return [(offset, end)]
             return []
         return self._slow(offset, data, end)
-
-    @property
-    def last_header(self) -> GlooHeader | None:
-        """The last header parsed (also the offending one after a header desync)."""
-        return None if self._last is None else GlooHeader(*self._last)
 
     def stats(self) -> dict:
         return {
@@ -440,7 +422,6 @@ class GlooStreamTracker:
                 self._need = HEADER_SIZE
                 continue
             fields = HEADER.unpack_from(raw, start)
-            self._last = fields
             problem = header_problem(fields, self.max_frame_bytes)
             if problem is not None:
                 self._frontier = f

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .. import nsutil
 from .config import EngineSpec
 from .control import request
 
@@ -73,11 +74,12 @@ def iptables_rule(spec: EngineSpec) -> list[str]:
 
 
 def _iptables(netns: str, action: str, rule: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    """``iptables -w <table> <action> <chain> ...`` inside ``netns``; EngineError if it fails and ``check``."""
     table, chain, rest = rule[:2], rule[2], rule[3:]
-    argv = ["nsenter", f"--net={netns}", "--", "iptables", "-w", *table, action, chain, *rest]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    argv = ["iptables", "-w", *table, action, chain, *rest]
+    r = nsutil.nsexec(netns, argv, check=False, timeout=30)
     if check and r.returncode != 0:
-        raise EngineError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip()}")
+        raise EngineError(f"{' '.join(argv)} in {netns} failed ({r.returncode}): {r.stderr.strip()}")
     return r
 
 

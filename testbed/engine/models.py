@@ -13,8 +13,14 @@ Determinism: the same seed and the same sequence of requests give identical flip
 ``flips(b)`` equals ``flips(a + b)`` split at ``a``), because every gap is one draw from the RNG in stream
 order.
 
+``skip(n_bits)`` advances the stream by ``n_bits`` without materialising their flips, at a cost that does not
+depend on ``n_bits``. The flips after a skip have the same distribution as after ``flips(n_bits)`` (the models
+are Markov: Bernoulli gaps are memoryless, the Gilbert-Elliott state is drawn from its n-step transition), but
+they are not the same draws.
+
 ``OffsetKeyedFlips`` makes flips a deterministic function of (seed, flow key, stream bit offset) for one
 direction of a TCP flow, so that a retransmitted byte range gets exactly the flips it got the first time.
+The error models and their config are described in docs/engine.md ("Error models").
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class BitErrorModel(Protocol):
 
     def flips(self, n_bits: int) -> np.ndarray: ...
 
+    def skip(self, n_bits: int) -> None: ...
+
     def set_ber(self, ber: float) -> None: ...
 
 
@@ -123,6 +131,21 @@ class BernoulliModel:
         self._i = 0
         self._last = last
         self._next = int(self._buf[0])
+
+    def skip(self, n_bits: int) -> None:
+        """Advance by ``n_bits`` without returning their flips; O(1) in ``n_bits``. While the buffer reaches
+        past the skipped stretch this is exactly ``flips(n_bits)`` with the result dropped; beyond it the next
+        error is drawn afresh from the new position (memoryless: the same distribution, other draws)."""
+        end = self.position + n_bits
+        self.position = end
+        if self._next >= end:  # no error in the stretch (or none at all: ber 0)
+            return
+        if self._last >= end:  # the buffer already reaches past it: drop the errors inside
+            j = int(np.searchsorted(self._buf, end, side="left"))
+            self._i = j
+            self._next = int(self._buf[j])
+            return
+        self.set_ber(self._ber)  # redraw from the new position
 
     def flips(self, n_bits: int) -> np.ndarray:
         start = self.position
@@ -273,6 +296,35 @@ class GilbertElliottModel:
         self._sojourn_start = self.position
         self._sojourn_end = self._draw_length(self._state)
 
+    def skip(self, n_bits: int) -> None:
+        """Advance by ``n_bits`` without returning their flips; O(1) in ``n_bits``.
+
+        Inside the current sojourn only that state's error stream moves on. Otherwise the chain is in the
+        other state at the sojourn's end (bit ``e``), and the state at the new position ``p`` is drawn from
+        the two-state chain's ``(p - e)``-step transition, ``P(bad) = pi_b + (1[bad at e] - pi_b) * lam**(p - e)``
+        with ``lam = 1 - p_gb - p_bg``; a fresh sojourn (memoryless) starts at ``p``. The current bad sojourn,
+        if it ends inside the skip, is counted; sojourns entirely inside it are not.
+        """
+        end = self.position + n_bits
+        if end < self._sojourn_end:
+            self._streams[self._state].skip(n_bits)
+            self.position = end
+            return
+        if self._state == self.BAD:
+            self.bad_sojourns += 1
+            self.bad_sojourn_bits += self._sojourn_end - self._sojourn_start
+        steps = end - self._sojourn_end
+        lam = 1.0 - self.p_gb - self.p_bg
+        decay = lam ** steps
+        bad_at_e = 1.0 if self._state == self.GOOD else 0.0
+        p_bad = self.pi_bad + (bad_at_e - self.pi_bad) * decay
+        self._state = self.BAD if self._rng.random() < p_bad else self.GOOD
+        self.position = end
+        for stream in self._streams:  # per-state error streams: memoryless, restart where they are
+            stream.set_ber(stream.ber)
+        self._sojourn_start = end
+        self._sojourn_end = self._draw_length(self._state)
+
     def flips(self, n_bits: int) -> np.ndarray:
         start = self.position
         end = start + n_bits
@@ -305,7 +357,8 @@ class GilbertElliottModel:
 
 
 def validate_error_model(error_model: dict | None, ber: float) -> dict:
-    """Normalize an ``error_model`` config dict (see docs/contracts.md); raise ValueError if invalid."""
+    """Normalize an ``error_model`` config dict (docs/engine.md, "Error models"); raise ValueError if
+    invalid."""
     em = dict(error_model or {"type": "bernoulli"})
     kind = em.get("type", "bernoulli")
     em["type"] = kind
@@ -356,6 +409,9 @@ class FlipRange(NamedTuple):
     retx_flips: int  # flips among them (the same as the first time)
 
 
+_new_flip_range = tuple.__new__  # FlipRange without its Python-level __new__ (the per-packet path builds one)
+
+
 class OffsetKeyedFlips:
     """Flips of one TCP flow direction as a function of the stream bit offset.
 
@@ -365,22 +421,33 @@ class OffsetKeyedFlips:
     would be stored: at BER 1e-2 that still covers 12 MB, more than TCP ever has in flight). A request for a
     range generated before gets exactly the same flips.
 
+    A gap longer than what could be remembered anyway (``window_bits``, or ``max_flips / ber`` if that is
+    shorter) is not generated in full: the part below it is skipped with ``model.skip`` (O(1), no flips
+    materialised) and counts as forgotten if it is ever requested. So one request costs at most one window's
+    flips, whatever the gap. (TCP's window keeps real out-of-order gaps far shorter; this bounds the cost
+    whatever offsets come, e.g. flips started on a flow that has already carried data.)
+
+    ``start`` (bits): the stream offset at which the flips start; bits below it count as forgotten.
+
     Each bit is *new* the first time it is requested and *retransmitted* after that (bits generated as part
     of a gap are new when the gap is filled). Bits older than the remembered window are reported as
     retransmitted with no flips (``forgotten_bits``): TCP never retransmits that far back in practice.
+    Pruning has hysteresis: the window is trimmed back to ``window_bits`` once it exceeds it by an eighth.
     """
 
     __slots__ = (
-        "model", "window_bits", "max_flips", "_hw", "_floor", "_seen", "_lo", "_hi", "_arr", "_head",
-        "_stored", "forgotten_bits",
+        "model", "window_bits", "max_flips", "_prune_at", "_hw", "_floor", "_seen", "_lo", "_hi", "_arr",
+        "_head", "_stored", "forgotten_bits",
     )
 
-    def __init__(self, model: BitErrorModel, *, window_bits: int = 64 << 23, max_flips: int = 1 << 20):
+    def __init__(self, model: BitErrorModel, *, start: int = 0, window_bits: int = 64 << 23,
+                 max_flips: int = 1 << 20):
         self.model = model
         self.window_bits = int(window_bits)
         self.max_flips = int(max_flips)
-        self._hw = 0  # model generated for [0, hw)
-        self._floor = 0  # flips remembered for [floor, hw)
+        self._prune_at = self.window_bits + (self.window_bits >> 3)
+        self._hw = int(start)  # model generated for [start, hw)
+        self._floor = int(start)  # flips remembered for [floor, hw)
         self._seen: list[list[int]] = []  # sorted disjoint [start, end) of requested ranges within the window
         # stored non-empty flip chunks: [lo, hi) with absolute positions; entries before _head are dropped
         self._lo: list[int] = []
@@ -389,10 +456,6 @@ class OffsetKeyedFlips:
         self._head = 0
         self._stored = 0
         self.forgotten_bits = 0
-
-    @property
-    def high_water(self) -> int:
-        return self._hw
 
     def set_ber(self, ber: float) -> None:
         self.model.set_ber(ber)
@@ -411,10 +474,18 @@ class OffsetKeyedFlips:
                 seen.append([start, end])
             if f.size:
                 self._store(start, end, f + start)
-            if end - self._floor > self.window_bits:
+            if end - self._floor > self._prune_at:
                 self._prune(end - self.window_bits)
-            return FlipRange(f, n_bits, f.size, 0, 0)
+            return _new_flip_range(FlipRange, (f, n_bits, f.size, 0, 0))
         return self._general(start, end)
+
+    def _gap_horizon(self) -> int:
+        """How many bits before a request's end are worth generating: what could be remembered."""
+        keep = self.window_bits
+        ber = self.model.ber
+        if ber > 0.0 and self.max_flips / ber < keep:
+            keep = int(self.max_flips / ber)
+        return keep
 
     # -- internals ---------------------------------------------------------------------------------------------
 
@@ -472,11 +543,16 @@ class OffsetKeyedFlips:
     def _general(self, start: int, end: int) -> FlipRange:
         if end > self._hw:
             gen_from = self._hw
+            skip_to = min(start, end - self._gap_horizon())
+            if skip_to > gen_from:  # a gap longer than could be remembered: skip it, do not generate it
+                self.model.skip(skip_to - gen_from)
+                self._hw = gen_from = skip_to
+                self._prune(skip_to)
             f = self.model.flips(end - gen_from)
             if f.size:
                 self._store(gen_from, end, f + gen_from)
             self._hw = end
-            if end - self._floor > self.window_bits:
+            if end - self._floor > self._prune_at:
                 self._prune(end - self.window_bits)
         floor = self._floor
         positions = self._lookup(max(start, floor), end) if end > floor else EMPTY
@@ -504,7 +580,7 @@ class OffsetKeyedFlips:
         self._mark_seen(max(start, floor), end)
         n = end - start
         rel = positions - start if positions.size else EMPTY
-        return FlipRange(rel, new_bits, new_flips, n - new_bits, int(positions.size) - new_flips)
+        return _new_flip_range(FlipRange, (rel, new_bits, new_flips, n - new_bits, int(positions.size) - new_flips))
 
     @staticmethod
     def _count(positions: np.ndarray, a: int, b: int) -> tuple[int, int]:

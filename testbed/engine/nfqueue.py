@@ -1,6 +1,7 @@
 """A lean nfnetlink_queue client over a raw AF_NETLINK / NETLINK_NETFILTER socket.
 
-Why hand-written (measured-facts.md section 2): the existing Python bindings fall short for this job.
+Why hand-written (measured on this project's VM; the measurements are in the project's shared notes, not in
+this repository): the existing Python bindings fall short for this job.
 NetfilterQueue copies at most 4016 bytes of a packet (a modified packet above ~4 KB is dropped) and exposes
 no queue flags, so no NFQA_CFG_F_GSO; fnfqueue overflows its socket and has flag bugs. A small client that
 asks for the whole packet (copy range 0xffff), sets NFQA_CFG_F_GSO, NETLINK_NO_ENOBUFS and a large receive

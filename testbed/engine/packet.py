@@ -141,7 +141,8 @@ def l4_checksum(pkt, ihl: int, total: int, proto: int) -> int:
     """Full TCP/UDP checksum of ``pkt[ihl:total]`` (pseudo-header included, checksum field taken as zero).
 
     A full recompute, never an incremental update: with NFQA_CFG_F_GSO a CHECKSUM_PARTIAL packet's field holds
-    only the pseudo-header sum (measured-facts.md section 2), so "old checksum + delta" would be wrong.
+    only the pseudo-header sum (measured: an incremental update dropped every packet; docs/engine.md, "GSO"),
+    so "old checksum + delta" would be wrong.
     """
     off = ihl + _csum_offset(proto)
     field = (pkt[off] << 8) | pkt[off + 1]

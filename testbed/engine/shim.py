@@ -1,5 +1,6 @@
-"""The engine process (docs/contracts.md, "Engine process"): enter the namespace, bind the queue, then loop
-over queued packets and control requests until SIGTERM or ``{"cmd": "stop"}``.
+"""The engine process (docs/engine.md, "Lifecycle and fail-closed semantics"): enter the namespace, bind the
+queue, open the control socket, write the stats file, then loop over queued packets and control requests
+until SIGTERM or ``{"cmd": "stop"}``.
 
 Fail closed: the queue is bound without NFQA_CFG_F_FAIL_OPEN (unless configured) and the manager adds the
 iptables rule without ``--queue-bypass``, so while the rule exists and this process is not reading, the

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
+
+from ..fileio import write_json_atomic as _write_json_atomic
 
 __all__ = ["Counters", "write_json_atomic"]
 
@@ -62,9 +62,4 @@ class Counters:
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to ``path`` via a temporary file and rename, so readers never see a partial file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    _write_json_atomic(path, obj, indent=1)
