@@ -106,14 +106,20 @@ def send(host: str, port: int, nbytes: int, seed: int, sport: int = 0, pause_at:
             "out_segs": after["OutSegs"] - before["OutSegs"]}
 
 
-def recv(port: int, nbytes: int, seed: int, progress: float = 0.0, timeout: float = 120.0,
-         max_error_offsets: int = 1000) -> dict:
+def _listen(port: int, timeout: float) -> socket.socket:
+    """A listening socket on every address of the host; announces itself with a `listening` line."""
     ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     ls.bind(("0.0.0.0", port))
     ls.listen(1)
     ls.settimeout(timeout)
     _emit({"listening": port})
+    return ls
+
+
+def recv(port: int, nbytes: int, seed: int, progress: float = 0.0, timeout: float = 120.0,
+         max_error_offsets: int = 1000) -> dict:
+    ls = _listen(port, timeout)
     conn, peer = ls.accept()
     conn.settimeout(timeout)
     buf = bytearray(CHUNK)
@@ -156,12 +162,7 @@ def recv(port: int, nbytes: int, seed: int, progress: float = 0.0, timeout: floa
 
 
 def pingpong_server(port: int, size: int, timeout: float = 120.0) -> dict:
-    ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    ls.bind(("0.0.0.0", port))
-    ls.listen(1)
-    ls.settimeout(timeout)
-    _emit({"listening": port})
+    ls = _listen(port, timeout)
     conn, _ = ls.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(size)

@@ -246,13 +246,11 @@ def _topology_of(target) -> Topology:
     if isinstance(target, Testbed):
         return target.topo
     if isinstance(target, str):
-        from ..state import State
         try:
-            st = State.load(target)
+            return Testbed.attach(target).topo  # the state file's topology, checked like every attach
         except LookupError:
             raise BenchError(f"{target!r} is neither a topology file nor the name of a topology that is up "
                              "(testbed status lists those)") from None
-        return Topology.from_dict(st.data["topology"], file=st.data.get("file"))
     raise TypeError("target must be a Testbed, a Topology or the name of a topology that is up")
 
 
