@@ -1,5 +1,8 @@
-"""Shared fixtures. Tests run as root and create real namespaces, veths, bridges, iptables rules and
-processes; every fixture removes what it made, even when the test fails."""
+"""Shared fixtures. Most tests run as root and create real namespaces, veths, bridges, iptables rules and
+processes; every fixture removes what it made, even when the test fails. Those are marked `privileged` (whole
+modules below, and every test that uses the recorded gloo streams); without root they are skipped with a reason,
+and the pure-logic tests (error models, packets, theory, report, validation, gloo tracker on synthetic
+streams, settings, imports) still run."""
 
 from __future__ import annotations
 
@@ -100,6 +103,18 @@ def load_topology():
     return load
 
 
-def pytest_configure(config):
-    if os.geteuid() != 0:
-        raise pytest.UsageError("the testbed's tests create namespaces and iptables rules: run them as root")
+# Modules whose every test creates namespaces, veths, iptables rules, engines or containers.
+PRIVILEGED_MODULES = {"test_bench", "test_docker_runtime", "test_engine", "test_engine_topology",
+                      "test_experiments", "test_topology_net", "test_training_testbed"}
+# Fixtures that need root (the real gloo recordings are made in namespaces).
+PRIVILEGED_FIXTURES = {"gloo_captures"}
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="privileged: needs root (creates namespaces, veths, iptables rules or engines)")
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in PRIVILEGED_MODULES or PRIVILEGED_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.privileged)
+        if os.geteuid() != 0 and item.get_closest_marker("privileged"):
+            item.add_marker(skip)
