@@ -1,6 +1,10 @@
-"""Remove every leftover of the testbed (Mininet's `mn -c` is the model): engines, processes inside our
+"""Remove the testbed's leftovers (Mininet's `mn -c` is the model): one topology's (`teardown`) or every one's
+(`clean_all`, `testbed down --all`): engines, hosts of every registered runtime, processes inside our
 namespaces, the namespaces themselves, bind mounts and state directories. Only things the testbed made
-(names starting with `tb.`, state under /run/testbed, containers labelled by the docker runtime) are touched."""
+(names starting with `tb.`, state under the state root, containers labelled by the docker runtime) are touched.
+
+Works from the state file and the names alone: it imports nothing of the orchestration (testbed.net), so it
+also removes what a killed or broken `up` left."""
 
 from __future__ import annotations
 
@@ -8,29 +12,65 @@ import os
 import shutil
 import signal
 import subprocess
+import time
+from pathlib import Path
 
-from . import nsutil
-from .state import STATE_ROOT, running_names, state_dir
+from . import nsutil, procs
+from .runtime.base import Host, all_runtimes, get_runtime
+from .state import HISTORY_ROOT, STATE_ROOT, State, running_names, state_dir, write_json_atomic
+
+
+def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None = None) -> dict:
+    """Remove everything topology `name` created: engines (saving their final counters), hosts, switch and
+    management namespaces, processes inside them, mounts and the state directory. Idempotent. What could not
+    be removed is listed in result["errors"], and the state directory is then kept for a retry."""
+    try:
+        st = State.load(name)
+    except LookupError:
+        st = None
+    final: dict = {"name": name, "engines": []}
+    runtime_name = st.data.get("runtime", "netns") if st is not None else None
+    if st is not None:
+        final["engines"] = stop_engines(st.data.get("engines", {}))
+        if save_stats and final["engines"]:
+            out_dir = Path(results_dir or st.data.get("results_dir") or HISTORY_ROOT / name)
+            path = out_dir / f"stats-{time.strftime('%Y%m%d-%H%M%S')}.json"
+            write_json_atomic(path, final["engines"])
+            final["stats_file"] = str(path)
+        for hd in st.data.get("hosts", {}).values():
+            if hd.get("pending"):
+                continue
+            try:
+                get_runtime(runtime_name).delete(Host.from_dict(hd))
+            except Exception as e:  # keep going: the sweeps below still remove the rest
+                final.setdefault("errors", []).append(f"host {hd.get('node')}: {e}")
+    # Hosts by label/prefix in every runtime, also those a killed `up` created before it could record them.
+    for rt in all_runtimes():
+        try:
+            rt.delete_all(name)
+        except Exception as e:  # only the topology's own runtime can hold something that failed to go
+            if rt.name == runtime_name:
+                final.setdefault("errors", []).append(f"{rt.name}: {e}")
+    sweep_topology(name, keep_state=bool(final.get("errors")))
+    return final
 
 
 def stop_engines(engines: dict) -> list[dict]:
     """Stop the engines recorded in a state file; return their final counters."""
+    from .engine.manager import EngineHandle, stop_engine  # the engine package, only when there are engines
+
     finals = []
     for key, rec in engines.items():
         handle = rec.get("handle")
         if not handle:
             continue
-        from .engine.manager import EngineHandle, engine_alive, stop_engine
         try:
             stats = stop_engine(EngineHandle.from_dict(handle))
         except Exception as e:  # a dead or half-started engine: make sure the process is gone
             pid = handle.get("pid")
             # the recorded start time tells our engine from a later process that reuses its pid
-            if pid and engine_alive(pid, handle.get("start_time")):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            if procs.alive(pid, handle.get("start_time")):
+                procs.kill_group(pid)
             stats = {"error": str(e)}
         link, _, direction = key.partition("/")
         stats.setdefault("link", link)
@@ -55,18 +95,7 @@ def _mounts_under(prefix: str) -> list[str]:
 def orphan_engine_pids(topology: str | None = None) -> list[int]:
     """Engine processes whose config lives under our state root (and, if given, under that topology)."""
     want = str(state_dir(topology)) + "/" if topology else str(STATE_ROOT) + "/"
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"testbed.engine" in args and any(a.decode(errors="replace").startswith(want) for a in args):
-            pids.append(int(entry))
-    return pids
+    return procs.pids_with_cmdline(lambda args: "testbed.engine" in args and any(a.startswith(want) for a in args))
 
 
 def _sweep(prefix: str, topology: str | None) -> list[str]:
@@ -74,11 +103,8 @@ def _sweep(prefix: str, topology: str | None) -> list[str]:
     (topology None), whether recorded in a state file or not."""
     removed = []
     for pid in orphan_engine_pids(topology):
-        try:
-            os.kill(pid, signal.SIGKILL)
+        if procs.kill(pid, signal.SIGKILL):
             removed.append(f"engine pid {pid}")
-        except ProcessLookupError:
-            pass
     for ns in nsutil.list_testbed_netns(topology):
         nsutil.remove_netns(ns)
         removed.append(f"netns {ns}")
@@ -101,20 +127,25 @@ def sweep_topology(name: str, keep_state: bool = False) -> list[str]:
 
 
 def clean_all() -> dict:
-    """`testbed down --all`: tear down every topology with state, then sweep anything left by prefix."""
-    from .net import teardown
-
+    """`testbed down --all`: tear down every topology with state, then sweep anything left by prefix, and
+    every runtime's hosts by label (those no state file knows)."""
     done: dict = {"topologies": [], "swept": []}
     for name in running_names():
         teardown(name)
         done["topologies"].append(name)
     done["swept"] += _sweep(nsutil.PREFIX, None)
-    try:
-        from .runtime.docker import sweep_containers
-        done["swept"] += [f"container {c}" for c in sweep_containers()]
-    except Exception:
-        pass  # no docker runtime or no engine reachable: nothing of ours can be there
+    for rt in all_runtimes():
+        done["swept"] += [f"{rt.name}: {x}" for x in _quietly(rt.sweep)]
     return done
+
+
+def _quietly(ask) -> list[str]:
+    """What a runtime answers (`ask()`); nothing when it cannot answer (no daemon, no SDK): then it holds
+    nothing of ours either."""
+    try:
+        return list(ask())
+    except Exception:
+        return []
 
 
 def _sweep_etc_netns(prefix: str) -> None:
@@ -128,21 +159,21 @@ def _sweep_etc_netns(prefix: str) -> None:
 
 
 def leftovers(topology: str | None = None) -> dict:
-    """What of the testbed exists right now (used by tests and `status`)."""
+    """What of the testbed exists right now (used by tests and `down`): namespaces, per-namespace /etc files,
+    engine processes, state directories, and each runtime's hosts under its `leftover_key`."""
     want = f"{nsutil.PREFIX}{topology}." if topology else nsutil.PREFIX
     try:
         etc = sorted(n for n in os.listdir("/etc/netns") if n.startswith(want))
     except FileNotFoundError:
         etc = []
-    try:
-        from .runtime.docker import DockerRuntime
-        containers = DockerRuntime().list(topology)
-    except Exception:  # no docker SDK or no engine: then no container of ours can exist
-        containers = []
-    return {
-        "netns": nsutil.list_testbed_netns(topology),
+    found = {
+        "netns": nsutil.list_testbed_netns(topology),  # switch and management namespaces, whatever the runtime
         "etc_netns": etc,
-        "containers": containers,
         "engines": orphan_engine_pids(topology),
         "state": [n for n in running_names() if topology in (None, n)],
     }
+    for rt in all_runtimes():
+        hosts = _quietly(lambda: rt.list(topology))
+        found[rt.leftover_key] = sorted(set(found.get(rt.leftover_key, [])) | set(hosts))
+    return found
+

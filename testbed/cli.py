@@ -9,14 +9,7 @@ import os
 import sys
 
 from . import __version__
-
-EXIT_FAIL, EXIT_INPUT, EXIT_CAPABILITY = 1, 2, 3
-
-
-class CliError(Exception):
-    def __init__(self, msg: str, code: int = EXIT_FAIL):
-        super().__init__(msg)
-        self.code = code
+from .errors import EXIT_CAPABILITY, EXIT_FAIL, EXIT_INPUT, CliError  # noqa: F401 (re-exported)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -68,29 +61,22 @@ def _attach(name: str | None):
         raise CliError(str(e), EXIT_INPUT) from None
 
 
-def _load(path: str, name: str | None = None):
-    from .topo import Topology
-    return Topology.load(path, name=name)
-
-
 # -- commands --------------------------------------------------------------------------------------------------
 
 
 def cmd_up(args) -> int:
     from .net import Testbed
 
-    topo = _load(args.file, args.name)
     capture = {"dir": os.path.abspath(args.capture), "max_bytes": int(args.capture_limit * 1e6)} if args.capture else None
-    tb = Testbed(topo, runtime=args.runtime, capture=capture, results_dir=args.out)
+    tb = Testbed.open(args.file, name=args.name, runtime=args.runtime, capture=capture, results_dir=args.out)
     tb.up()
     print(describe_topology(tb))
-    print(f"\nup. Run commands with `testbed exec --topo {topo.name} HOST -- CMD`; remove with `testbed down {topo.name}`.")
+    print(f"\nup. Run commands with `testbed exec --topo {tb.name} HOST -- CMD`; remove with `testbed down {tb.name}`.")
     return 0
 
 
 def cmd_down(args) -> int:
-    from .clean import clean_all
-    from .net import teardown
+    from .clean import clean_all, leftovers, teardown
     from .state import running_names
 
     if args.all:
@@ -107,7 +93,6 @@ def cmd_down(args) -> int:
     rc = 0
     for name in args.names:
         if name not in running_names():
-            from .clean import leftovers
             if not any(leftovers(name).values()):
                 print(f"no topology named {name!r} is up", file=sys.stderr)
                 rc = EXIT_INPUT
@@ -121,7 +106,6 @@ def cmd_down(args) -> int:
 
 
 def topology_status(name: str) -> dict:
-    from . import nsutil
     from .net import Testbed
 
     try:
@@ -130,21 +114,7 @@ def topology_status(name: str) -> dict:
         return {"name": name, "file": None, "runtime": None, "phase": "broken", "up_pid": None, "created_at": None,
                 "hosts": {}, "engines": [], "healthy": False,
                 "problems": [f"no usable state ({type(e).__name__}: {e}): remove it with `testbed down {name}`"]}
-    d = tb.state.data
-    hosts = {}
-    for h, hd in d.get("hosts", {}).items():
-        alive = tb.runtime.host_alive(tb.host(h)) if hd.get("netns") else False
-        hosts[h] = {"netns": hd.get("netns"), "present": alive, "container": hd.get("container_id")}
-    engines = []
-    for key, rec in d.get("engines", {}).items():
-        h = rec.get("handle") or {}
-        engines.append({"link": key.split("/")[0], "direction": key.split("/")[1], "pid": h.get("pid"),
-                        "alive": nsutil.pid_alive(h.get("pid")) and not rec.get("pending")})
-    dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
-    return {"name": name, "file": d.get("file"), "runtime": d.get("runtime"), "phase": d.get("phase"),
-            "up_pid": d.get("up_pid"), "created_at": d.get("created_at"), "hosts": hosts, "engines": engines,
-            "healthy": d.get("phase") == "up" and not dead and all(v["present"] for v in hosts.values()),
-            "problems": [f"engine dead: {x} (its link drops all traffic: fail closed)" for x in dead]}
+    return tb.status()
 
 
 def cmd_status(args) -> int:
@@ -262,6 +232,8 @@ def _error_model_arg(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .runtime.base import runtime_names
+
     p = argparse.ArgumentParser(
         prog="testbed",
         description="Real-network emulation testbed: hosts in namespaces or containers joined by veth links that "
@@ -275,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "addresses, routes, impairments and corruption engines. Prints a table of what was made.")
     s.add_argument("file", metavar="FILE", help="topology YAML (see topologies/)")
     s.add_argument("--name", help="name to use instead of the file's `name` (to run two copies at once)")
-    s.add_argument("--runtime", choices=["netns", "docker"], help="where hosts live (default: the file's, else netns)")
+    s.add_argument("--runtime", choices=runtime_names(), help="where hosts live (default: the file's, else netns)")
     s.add_argument("--capture", metavar="DIR", help="write corrupted packets, before and after corruption, to pcap "
                    "files under DIR")
     s.add_argument("--capture-limit", type=float, default=10.0, metavar="MB",

@@ -1,10 +1,14 @@
 """Bring a topology up and down: the orchestration shared by the CLI, the tests and the experiments.
 
-    with Testbed(Topology.load("topologies/pair.yaml")) as tb:
+    with Testbed.open("topologies/pair.yaml") as tb:
         tb.run("h1", ["ping", "-c1", str(tb.address("h2"))])
+        before = tb.counters()
+        ...                                   # traffic
+        per_direction = tb.counters_since(before)
 
 Everything created is recorded in the state file *before* it is created, so a failure at any point (or a
-SIGKILL of this process) leaves a record that `down` / `down --all` uses to remove it all.
+SIGKILL of this process) leaves a record that `down` / `down --all` uses to remove it all. The removal itself
+lives in testbed/clean.py (`teardown`, re-exported here), which needs nothing of this module.
 """
 
 from __future__ import annotations
@@ -12,15 +16,23 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
-from . import clean, link, nsutil
+from . import link, nsutil
+from .clean import teardown  # noqa: F401 (re-exported: `from testbed.net import teardown`)
 from .runtime.base import Host, Runtime, get_runtime
-from .state import HISTORY_ROOT, State, claim, state_dir, write_json_atomic
+from .state import State, claim, state_dir
 from .topo import Link, LinkImpairment, Topology
 
 MGMT_IFNAME = "mgmt0"
+# Counters that `counter_delta` subtracts by default (what a training summary reports per link direction).
+COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced")
+# What `counter_delta` copies as it is from the later snapshot (the settings in force at its end).
+COUNTER_KEPT = ("link", "direction", "alive", "ber", "scope", "checksum")
+# Live-settable engine settings that `links_restored` puts back.
+RESTORED_SETTINGS = ("ber", "error_model", "scope", "checksum", "seed", "collectives")
 
 
 class Testbed:
@@ -35,9 +47,21 @@ class Testbed:
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
+    @classmethod
+    def open(cls, path: str | Path, name: str | None = None, runtime: str | None = None,
+             capture: dict | None = None, results_dir: str | Path | None = None) -> "Testbed":
+        """The Testbed of the topology file at `path` (under `name` instead of the file's, if given), not up
+        yet: `with Testbed.open(path) as tb:` brings it up and down."""
+        return cls(Topology.load(path, name=name), runtime=runtime, capture=capture, results_dir=results_dir)
+
     @property
     def name(self) -> str:
         return self.topo.name
+
+    @property
+    def is_up(self) -> bool:
+        """Whether this object holds a running topology (after `up` or `attach`, until `down`)."""
+        return self.state is not None
 
     @property
     def runtime(self) -> Runtime:
@@ -181,19 +205,118 @@ class Testbed:
         self.state.save()
         return handle
 
-    def engine_handles(self) -> dict[str, Any]:
-        from .engine.manager import EngineHandle
-        return {k: EngineHandle.from_dict(v["handle"]) for k, v in self.state.data["engines"].items() if "handle" in v}
+    def _stop_engine(self, key: str) -> dict:
+        """Stop the engine of `key` ("link/direction") and forget it; its final counters."""
+        from .engine.manager import EngineHandle, stop_engine
 
-    def stats(self) -> list[dict]:
+        rec = self.state.data["engines"][key]
+        final = stop_engine(EngineHandle.from_dict(rec["handle"]))
+        del self.state.data["engines"][key]
+        self.state.save()
+        return final
+
+    def engine_handles(self, links: Iterable[str] | None = None) -> dict[str, Any]:
+        """EngineHandle per "link/direction" (of `links` only, if given)."""
+        from .engine.manager import EngineHandle
+
+        wanted = None if links is None else {self.topo.link(n).name for n in links}
+        return {k: EngineHandle.from_dict(v["handle"]) for k, v in self.state.data["engines"].items()
+                if "handle" in v and (wanted is None or k.split("/")[0] in wanted)}
+
+    def stats(self, links: Iterable[str] | None = None) -> list[dict]:
+        """Each engine's counters and settings now (`alive: false` and the last saved counters if it died)."""
         from .engine.manager import engine_stats
         out = []
-        for key, h in self.engine_handles().items():
+        for key, h in self.engine_handles(links).items():
             s = engine_stats(h)
             s.setdefault("link", key.split("/")[0])
             s.setdefault("direction", key.split("/")[1])
             out.append(s)
         return out
+
+    def counters(self, links: Iterable[str] | None = None) -> dict[str, dict]:
+        """A snapshot of every engine's stats (of `links` only, if given), keyed "link/direction": take one
+        before and one after some traffic and `counter_delta` says what that traffic met."""
+        return {f"{s['link']}/{s['direction']}": s for s in self.stats(links)}
+
+    def counters_since(self, before: dict[str, dict], links: Iterable[str] | None = None,
+                       fields: Iterable[str] = COUNTER_FIELDS) -> dict[str, dict]:
+        """`counter_delta(before, self.counters(links), fields)`."""
+        return counter_delta(before, self.counters(links), fields)
+
+    @contextmanager
+    def links_restored(self, links: Iterable[str] | None = None,
+                       warn: Callable[[str], None] | None = None) -> Iterator["Testbed"]:
+        """Change the engines of `links` (every link if None) freely inside; on leaving, each engine that was
+        there gets its settings back and engines started inside are stopped, so the topology is as it was.
+        An engine that cannot be put back is passed to `warn`, or without one raised as a RuntimeError after
+        every other engine was restored (a note on the block's own exception, if it raised)."""
+        links = [l.name for l in self.topo.links] if links is None else [self.topo.link(n).name for n in links]
+        saved = {k: {f: s.get(f) for f in RESTORED_SETTINGS} for k, s in self.counters(links).items()}
+        try:
+            yield self
+        except BaseException as e:
+            self._restore_engines(links, saved, warn or e.add_note)
+            raise
+        failed: list[str] = []
+        self._restore_engines(links, saved, warn or failed.append)
+        if failed:
+            raise RuntimeError(f"topology {self.name}: " + "; ".join(failed))
+
+    def _restore_engines(self, links: list[str], saved: dict[str, dict], report: Callable[[str], None]) -> None:
+        """Put `saved` settings back and stop the engines not in `saved`; `report` each that failed."""
+        from .engine.manager import set_engine
+
+        for key, h in self.engine_handles(links).items():
+            try:
+                if key in saved:
+                    # [] puts "every collective" back (None would leave the current filter in force)
+                    set_engine(h, **{**saved[key], "collectives": saved[key]["collectives"] or []})
+                else:
+                    self._stop_engine(key)
+            except Exception as e:  # keep restoring the others
+                report(f"could not restore engine {key}: {e}")
+
+    @contextmanager
+    def detached(self, link_name: str) -> Iterator["Testbed"]:
+        """Inside, the engines of one link see no traffic (their NFQUEUE rules are removed, so the link passes
+        it clean; the processes keep running); on leaving they are attached again."""
+        from .engine.manager import attach_engine, detach_engine
+
+        removed = []
+        try:
+            for h in self.engine_handles([link_name]).values():
+                if h.rule:
+                    detach_engine(h)
+                    removed.append(h)
+            yield self
+        finally:
+            for h in removed:
+                attach_engine(h)
+
+    def status(self) -> dict:
+        """What `testbed status` reports: phase, hosts (present or not), engines (alive: the same process
+        that was started, by pid and start time) and whether all is healthy, with the problems found."""
+        from .engine.manager import engine_alive
+
+        d = self.state.data
+        hosts = {}
+        for h, hd in d.get("hosts", {}).items():
+            present = bool(hd.get("netns")) and self.runtime.host_alive(self.host(h))
+            hosts[h] = {"netns": hd.get("netns"), "present": present, "container": hd.get("container_id")}
+        engines = []
+        for key, rec in d.get("engines", {}).items():
+            h = rec.get("handle") or {}
+            alive = not rec.get("pending") and engine_alive(h.get("pid"), h.get("start_time"))
+            engines.append({"link": key.split("/")[0], "direction": key.split("/")[1], "pid": h.get("pid"),
+                            "alive": alive})
+        dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
+        missing = [h for h, v in hosts.items() if not v["present"]]
+        return {"name": self.name, "file": d.get("file"), "runtime": d.get("runtime"), "phase": d.get("phase"),
+                "up_pid": d.get("up_pid"), "created_at": d.get("created_at"), "hosts": hosts, "engines": engines,
+                "healthy": d.get("phase") == "up" and not dead and not missing,
+                "problems": [f"engine dead: {x} (its link drops all traffic: fail closed)" for x in dead]
+                + [f"host gone: {h}" for h in missing]}
 
     def set_link(self, link_name: str, direction: str | None = None, **settings) -> list[str]:
         """Change corruption settings of a running link (one direction or both) without touching its traffic.
@@ -307,38 +430,20 @@ def normalize_direction(l: Link, direction: str) -> str:
     raise KeyError(f"link {l.name} has no direction {direction!r} (directions: {', '.join(names)})")
 
 
-def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None = None) -> dict:
-    """Remove everything topology `name` created: engines (saving their final counters), hosts, switch and
-    management namespaces, processes inside them, mounts and the state directory. Idempotent. What could not
-    be removed is listed in result["errors"], and the state directory is then kept for a retry."""
-    try:
-        st = State.load(name)
-    except LookupError:
-        st = None
-    final: dict = {"name": name, "engines": []}
-    runtime_name = st.data.get("runtime", "netns") if st is not None else None
-    if st is not None:
-        final["engines"] = clean.stop_engines(st.data.get("engines", {}))
-        if save_stats and final["engines"]:
-            out_dir = Path(results_dir or st.data.get("results_dir") or HISTORY_ROOT / name)
-            path = out_dir / f"stats-{time.strftime('%Y%m%d-%H%M%S')}.json"
-            write_json_atomic(path, final["engines"])
-            final["stats_file"] = str(path)
-        runtime = get_runtime(runtime_name)
-        for hd in st.data.get("hosts", {}).values():
-            if hd.get("pending"):
-                continue
-            try:
-                runtime.delete(Host.from_dict(hd))
-            except Exception as e:  # keep going: the sweeps below still remove the rest
-                final.setdefault("errors", []).append(f"host {hd.get('node')}: {e}")
-    if runtime_name != "netns":
-        # Containers by label, also those a killed `up` created before it could record them (no state).
-        try:
-            from .runtime.docker import DockerRuntime
-            DockerRuntime().delete_all(name)
-        except Exception as e:
-            if runtime_name == "docker":
-                final.setdefault("errors", []).append(f"docker: {e}")
-    clean.sweep_topology(name, keep_state=bool(final.get("errors")))
-    return final
+def counter_delta(before: dict[str, dict], after: dict[str, dict],
+                  fields: Iterable[str] = COUNTER_FIELDS) -> dict[str, dict]:
+    """Per "link/direction" of `after` (two `Testbed.counters()` snapshots): each of `fields` as after minus
+    before (an engine started in between counts from 0), plus link, direction, alive, ber, scope and checksum
+    as they were at `after`. An engine gone by `after` is left out."""
+    fields = tuple(fields)
+    out = {}
+    for key, s in after.items():
+        b = before.get(key, {})
+        d = {f: s.get(f) for f in COUNTER_KEPT}
+        d["link"] = d["link"] or key.split("/")[0]
+        d["direction"] = d["direction"] or key.split("/")[1]
+        d["alive"] = s.get("alive", True)
+        d.update({f: (s.get(f) or 0) - (b.get(f) or 0) for f in fields})
+        out[key] = d
+    return out
+

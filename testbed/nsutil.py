@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pyroute2 import netns as pr_netns
 
+from . import procs
+
 NETNS_DIR = Path("/run/netns")
 PREFIX = "tb."
 # Every host namespace (and container) gets these, and only they: forwarding for multi-hop routes, and no
@@ -84,55 +86,20 @@ def nsexec(netns_path: str, argv: list[str], check: bool = True, **kw) -> subpro
     return r
 
 
-def _ns_id(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def processes_in_netns(netns_path: str) -> list[int]:
-    target = _ns_id(netns_path)
-    if target is None:
-        return []
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        if _ns_id(f"/proc/{entry}/ns/net") == target:
-            pids.append(int(entry))
-    return pids
+    return procs.in_namespace(netns_path, "net")
 
 
 def kill_processes_in_netns(netns_path: str, grace_s: float = 1.0) -> list[int]:
     """Kill every process whose network namespace is `netns_path` (TERM, then KILL after a grace)."""
     pids = processes_in_netns(netns_path)
+    started = {p: procs.start_time(p) for p in pids}  # so that a pid reused meanwhile is left alone
     for pid in pids:
-        _signal(pid, signal.SIGTERM)
+        procs.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(procs.alive(p, started[p]) for p in pids):
         time.sleep(0.02)
     for pid in pids:
-        if _alive(pid):
-            _signal(pid, signal.SIGKILL)
+        if procs.alive(pid, started[pid]):
+            procs.kill(pid, signal.SIGKILL)
     return pids
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def pid_alive(pid: int | None) -> bool:
-    return bool(pid) and _alive(pid)

@@ -8,7 +8,6 @@ Namespaces are named ``tbE-<hex>-a`` / ``tbE-<hex>-b`` (the engine tests' own pr
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from pyroute2 import NetNS, netns
 
+from testbed import procs
 from testbed.engine.manager import EngineSpec, engine_alive, start_engine, stop_engine
 from testbed.engine.probe import read_json_line  # noqa: F401  (tests import it from here)
 
@@ -109,10 +109,10 @@ class VethLink:
             except Exception as e:  # keep tearing down
                 errors.append(f"stop_engine: {e}")
                 if engine_alive(h.pid, h.start_time):
-                    _killpg(h.pid)
+                    procs.kill_group(h.pid)
         for p in self.procs:
             if p.poll() is None:
-                _killpg(p.pid)
+                procs.kill_group(p.pid)
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -122,7 +122,8 @@ class VethLink:
                     f.close()
         for name in self.ns.values():
             if os.path.exists(f"/run/netns/{name}"):
-                _kill_netns_processes(name)
+                for pid in procs.in_namespace(f"/run/netns/{name}", "net"):  # anything still inside
+                    procs.kill(pid)
                 try:
                     netns.remove(name)
                 except OSError as e:
@@ -136,36 +137,6 @@ class VethLink:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _killpg(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _kill_netns_processes(name: str) -> None:
-    """Kill any process still inside our namespace (by pid, after checking its netns)."""
-    try:
-        target = os.stat(f"/run/netns/{name}")
-    except OSError:
-        return
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            st = os.stat(f"/proc/{entry}/ns/net")
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @contextmanager

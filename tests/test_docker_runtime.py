@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import pytest
 
 from conftest import ROOT, leftovers, tb_cli, unique_name
+from testbed import procs
 
 pytestmark = pytest.mark.docker
 
@@ -94,12 +95,12 @@ def test_exec_stdin_env_and_signals(docker_client, worker_image, load_topology):
         # kill() of a popen'd command stops the command inside the container, not just the docker client.
         p = tb.popen("h1", ["sleep", "600"])
         time.sleep(0.3)
-        inside = p.inside_pids()
+        inside = {pid: procs.start_time(pid) for pid in p.inside_pids()}
         assert inside, "the command is not running in the container"
         p.kill()
         assert p.wait(timeout=10) != 0
         time.sleep(0.2)
-        assert not any(os.path.exists(f"/proc/{pid}") for pid in inside), "sleep survived kill()"
+        assert not any(procs.alive(pid, t) for pid, t in inside.items()), "sleep survived kill()"
         # terminate(): the command gets SIGTERM and its exit status comes back through the client.
         p = tb.popen("h2", ["sh", "-c", "trap 'exit 7' TERM; sleep 600 & wait"])
         time.sleep(0.3)
@@ -192,10 +193,11 @@ def test_no_engine_reachable_is_a_clear_error(tmp_path):
 def test_ddp_training_across_containers(docker_client, worker_image, load_topology, tmp_path):
     """GPT-2 (tiny) DDP over gloo between two containers at BER 1e-5, tensor scope: the same `train` as for
     namespaces; the results record the runtime and the image digest."""
-    from testbed.experiments.training import TrainConfig, train
+    from testbed.experiments.training import train
+from testbed.train.settings import TrainSettings
 
     topo = load_topology("pair.yaml")
-    cfg = TrainConfig(mode="ddp", model="tiny", steps=20, seed=1, batch_size=4, seq_len=32, timeout=15,
+    cfg = TrainSettings(mode="ddp", model="tiny", steps=20, seed=1, batch_size=4, seq_len=32, timeout=15,
                       stall_timeout=60, run_timeout=300)
     s = train(topo, cfg, tmp_path / "run", ber=1e-5, scope="tensor", runtime="docker", log=lambda m: None)
     assert s["status"] == "ok", s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -132,11 +133,16 @@ def test_two_topologies_do_not_interfere(load_topology, runtime):
     assert a.name != b.name and a.plan.mgmt == b.plan.mgmt  # same addresses on purpose
     with running(a, runtime=runtime) as ta:
         with running(b, runtime=runtime) as tb:
-            # Each pair talks within itself; marking h1's hostname shows exec lands in the right topology.
+            # Each pair talks within itself, and a command run in a host runs in that topology's host: it
+            # reports the host's own name and sits in the host's own network namespace, not the other pair's.
             all_pairs_tcp(ta)
             all_pairs_tcp(tb)
-            ta.run("h1", ["sh", "-c", "echo A > /dev/null"], check=True)
             assert ta.host("h1").netns != tb.host("h1").netns
+            for t in (ta, tb):
+                for h in t.topo.hosts:
+                    assert t.run(h, ["hostname"], check=True).stdout.strip() == h
+                    netns = t.run(h, ["readlink", "/proc/self/ns/net"], check=True).stdout.strip()
+                    assert netns == f"net:[{os.stat(t.host(h).netns).st_ino}]", (t.name, h, netns)
         # b is gone; a still works.
         all_pairs_tcp(ta)
 
@@ -236,3 +242,64 @@ def test_status_and_down_handle_a_state_without_state_file():
         assert not d.exists()
     finally:
         tb_cli("down", name)
+
+
+def _nfqueue_rules(tb, host: str) -> list[str]:
+    out = tb.run(host, ["iptables", "-w", "-t", "mangle", "-S"], check=True).stdout
+    return [r for r in out.splitlines() if "NFQUEUE" in r]
+
+
+def test_testbed_counters_restore_and_detach(load_topology):
+    """The Testbed API that benchmarks and training use: counter snapshots and their per-direction deltas,
+    changing a link and getting it back as it was, and detaching a link's engines for a while."""
+    from testbed.net import counter_delta
+
+    topo = load_topology("pair.yaml").with_overrides(ber=1e-5, scope="payload")
+    with running(topo) as tb:
+        keys = {"h1-h2/h1->h2", "h1-h2/h2->h1"}
+        before = tb.counters()
+        assert set(before) == keys and all(s["alive"] for s in before.values())
+        nbytes = 300_000
+        probe = [tb.runtime.python, "-m", "testbed.engine.probe"]
+        rx = tb.popen("h2", [*probe, "recv", "--port", "5004", "--bytes", str(nbytes)], stdout=subprocess.PIPE,
+                      text=True)
+        try:
+            assert "listening" in rx.stdout.readline()
+            tb.run("h1", [*probe, "send", "--host", tb.address("h2"), "--port", "5004", "--bytes", str(nbytes)],
+                   timeout=60, check=True)
+            rx.wait(timeout=30)
+        finally:
+            rx.kill()
+            rx.wait()
+        delta = tb.counters_since(before)
+        assert set(delta) == keys
+        sent = delta["h1-h2/h1->h2"]
+        assert sent["bits_seen"] == 8 * nbytes and sent["bits_flipped"] > 0, sent
+        assert sent["ber"] == 1e-5 and sent["scope"] == "payload" and sent["alive"] is True
+        assert set(sent) == {"link", "direction", "alive", "ber", "scope", "checksum", "bits_seen", "bits_flipped",
+                             "packets_modified", "flows_desynced"}
+        assert counter_delta(before, before)["h1-h2/h1->h2"]["bits_seen"] == 0
+
+        # Changed inside, as it was after: settings restored on the engines that were there.
+        with tb.links_restored(["h1-h2"]):
+            tb.set_link("h1-h2", ber=1e-3, checksum="keep")
+            assert {s["ber"] for s in tb.stats()} == {1e-3}
+        assert {(s["ber"], s["checksum"]) for s in tb.stats()} == {(1e-5, "fix")}
+
+        # Detached: no NFQUEUE rule (traffic passes clean), the engines keep running; attached again after.
+        assert len(_nfqueue_rules(tb, "h1")) == 1 and len(_nfqueue_rules(tb, "h2")) == 1
+        with tb.detached("h1-h2"):
+            assert _nfqueue_rules(tb, "h1") == [] and _nfqueue_rules(tb, "h2") == []
+            assert all(e["alive"] for e in tb.status()["engines"])
+        assert len(_nfqueue_rules(tb, "h1")) == 1 and len(_nfqueue_rules(tb, "h2")) == 1
+        assert tb.status()["healthy"]
+
+
+def test_links_restored_stops_engines_started_inside(load_topology):
+    with running(load_topology("pair.yaml")) as tb:
+        assert tb.counters() == {}
+        with tb.links_restored():
+            assert tb.set_link("h1-h2", "h1-h2", ber=1e-6) == ["h1-h2/h1->h2"]
+            assert set(tb.counters()) == {"h1-h2/h1->h2"}
+        assert tb.counters() == {} and tb.status()["engines"] == []
+        assert not leftovers(tb.name).get("engines")

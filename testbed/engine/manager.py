@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .. import nsutil
+from .. import nsutil, procs
 from .config import EngineSpec
 from .control import request
 
@@ -31,6 +31,8 @@ __all__ = [
     "engine_stats",
     "set_engine",
     "engine_alive",
+    "detach_engine",
+    "attach_engine",
     "iptables_rule",
 ]
 
@@ -73,6 +75,17 @@ def iptables_rule(spec: EngineSpec) -> list[str]:
     return ["-t", "mangle", chain, dev, spec.iface, "-j", "NFQUEUE", "--queue-num", str(spec.queue_num)]
 
 
+def detach_engine(handle: EngineHandle) -> None:
+    """Remove the engine's NFQUEUE rule: the link passes its traffic clean (unlike a dead engine, which drops
+    it) while the engine process keeps running. `attach_engine` undoes it."""
+    _iptables(handle.spec.netns, "-D", handle.rule)
+
+
+def attach_engine(handle: EngineHandle) -> None:
+    """Add the engine's NFQUEUE rule back (after `detach_engine`): the link's packets go through it again."""
+    _iptables(handle.spec.netns, "-A", handle.rule)
+
+
 def _iptables(netns: str, action: str, rule: list[str], check: bool = True) -> subprocess.CompletedProcess:
     """``iptables -w <table> <action> <chain> ...`` inside ``netns``; EngineError if it fails and ``check``."""
     table, chain, rest = rule[:2], rule[2], rule[3:]
@@ -83,34 +96,11 @@ def _iptables(netns: str, action: str, rule: list[str], check: bool = True) -> s
     return r
 
 
-def _proc_start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # field 22 (starttime); the command name (field 2) may contain spaces, so split after its ')'
-    return int(stat.rpartition(")")[2].split()[19])
-
-
-def _proc_state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except OSError:
-        return None
-
-
 def engine_alive(pid: int | None, start_time: int | None = None) -> bool:
     """Whether process ``pid`` runs (not a zombie) and, if ``start_time`` is given, is the same process."""
-    if not pid:
-        return False
-    state = _proc_state(int(pid))
-    if state is None or state in ("Z", "X"):
-        if state == "Z":
-            _reap(int(pid))
-        return False
-    return start_time is None or _proc_start_time(int(pid)) == start_time
+    if pid and procs.state(int(pid)) == "Z":
+        _reap(int(pid))  # our own exited child: collect it, or it stays a zombie
+    return procs.alive(pid, start_time)
 
 
 def _reap(pid: int) -> None:
@@ -154,14 +144,14 @@ def start_engine(spec: EngineSpec, python: str = sys.executable, ready_timeout: 
         proc = subprocess.Popen([python, "-m", "testbed.engine", "--config", str(config_path)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
                                 start_new_session=True, cwd="/")
-    handle = EngineHandle(spec=spec, pid=proc.pid, start_time=_proc_start_time(proc.pid),
+    handle = EngineHandle(spec=spec, pid=proc.pid, start_time=procs.start_time(proc.pid),
                           config_path=str(config_path), log_path=str(log_path), rule=iptables_rule(spec),
                           started_at=time.time())
     try:
         _wait_ready(proc, ready_timeout, str(log_path))
         _iptables(spec.netns, "-A", handle.rule)
     except BaseException:
-        _kill(proc.pid)
+        procs.kill_group(proc.pid)  # its own process group (start_new_session)
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -197,16 +187,6 @@ def _wait_ready(proc: subprocess.Popen, timeout: float, log_path: str) -> None:
                               f"({log_path}):\n{_tail(log_path)}")
 
 
-def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
-    try:
-        os.killpg(pid, sig)  # its own process group (start_new_session)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 def _read_stats_file(path: str) -> dict | None:
     try:
         with open(path) as f:
@@ -222,16 +202,13 @@ def stop_engine(handle: EngineHandle, timeout: float = 10.0) -> dict:
     if os.path.exists(spec.netns) and handle.rule:
         _iptables(spec.netns, "-D", handle.rule, check=False)  # already gone is fine
     if engine_alive(handle.pid, handle.start_time):
-        try:
-            os.kill(handle.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        procs.kill(handle.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while engine_alive(handle.pid, handle.start_time) and time.monotonic() < deadline:
             _reap(handle.pid)
             time.sleep(0.02)
         if engine_alive(handle.pid, handle.start_time):
-            _kill(handle.pid)
+            procs.kill_group(handle.pid)
             while engine_alive(handle.pid, handle.start_time) and time.monotonic() < deadline + 5:
                 time.sleep(0.02)
     _reap(handle.pid)

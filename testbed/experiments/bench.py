@@ -52,9 +52,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..engine.probe import read_json_line
-from ..net import Testbed
+from ..errors import EXIT_CAPABILITY, EXIT_INPUT, CliError
+from ..net import Testbed, counter_delta
+from ..runtime.base import RuntimeUnavailable, runtime_names
 from ..state import write_json_atomic
-from ..topo import Link, Topology
+from ..topo import Link, Topology, TopologyError
 
 DEFAULT_BERS = (0.0, 1e-6, 1e-5)
 DEFAULT_SIZE = 16384
@@ -114,22 +116,12 @@ def link_address(topo: Topology, link: Link, host: str) -> str:
     raise BenchError(f"host {host} has no address on link {link.name}")
 
 
-def _engine_counters(tb: Testbed, links: set[str] | None) -> dict[str, dict]:
-    out = {}
-    for s in tb.stats():
-        if links is None or s.get("link") in links:
-            out[f"{s['link']}/{s['direction']}"] = s
-    return out
-
-
 def _engine_delta(before: dict[str, dict], after: dict[str, dict]) -> dict:
-    d: dict[str, Any] = {f: 0 for f in ENGINE_FIELDS}
-    for key, s in after.items():
-        b = before.get(key, {})
-        for f in ENGINE_FIELDS:
-            d[f] += (s.get(f) or 0) - (b.get(f) or 0)
-    d["engines_alive"] = all(s.get("alive", True) for s in after.values())
-    d["dead_engines"] = sorted(k for k, s in after.items() if not s.get("alive", True))
+    """ENGINE_FIELDS summed over every engine of two `Testbed.counters()` snapshots, and which died."""
+    per_engine = counter_delta(before, after, ENGINE_FIELDS)
+    d: dict[str, Any] = {f: sum(e[f] for e in per_engine.values()) for f in ENGINE_FIELDS}
+    d["engines_alive"] = all(e["alive"] for e in per_engine.values())
+    d["dead_engines"] = sorted(k for k, e in per_engine.items() if not e["alive"])
     return d
 
 
@@ -158,51 +150,6 @@ def _snmp_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, in
     return out
 
 
-class _LinkGuard:
-    """Puts the engines of `links` back as they were: restores changed settings, stops engines started since."""
-
-    KEYS = ("ber", "error_model", "scope", "checksum", "seed", "collectives")
-
-    def __init__(self, tb: Testbed, links: set[str]):
-        self.tb, self.links = tb, links
-        self.saved = {k: {f: s.get(f) for f in self.KEYS} for k, s in _engine_counters(tb, links).items()}
-
-    def restore(self, log: Log) -> None:
-        from ..engine.manager import set_engine, stop_engine
-
-        for key, h in self.tb.engine_handles().items():
-            if key.split("/")[0] not in self.links:
-                continue
-            try:
-                if key in self.saved:
-                    s = dict(self.saved[key])
-                    s["collectives"] = s.get("collectives") or []  # [] puts "every collective" back
-                    set_engine(h, **s)
-                else:
-                    stop_engine(h)
-                    self.tb.state.data["engines"].pop(key, None)
-                    self.tb.state.save()
-            except Exception as e:  # keep restoring the others
-                log(f"warning: could not restore engine {key}: {e}")
-
-
-@contextmanager
-def _detached(tb: Testbed, link_name: str) -> Iterator[None]:
-    """While inside: the link's engines see no traffic (their NFQUEUE rules removed; the processes stay)."""
-    from ..engine.manager import _iptables
-
-    removed = []
-    try:
-        for key, h in tb.engine_handles().items():
-            if key.split("/")[0] == link_name and h.rule:
-                _iptables(h.spec.netns, "-D", h.rule)
-                removed.append(h)
-        yield
-    finally:
-        for h in removed:
-            _iptables(h.spec.netns, "-A", h.rule)
-
-
 @contextmanager
 def _open(target: "Testbed | Topology | str", *, runtime: str | None, name: str | None, out: Path | None,
           links: set[str], prepare: Callable[[Topology], Topology] | None = None, log: Log) -> Iterator[Testbed]:
@@ -214,12 +161,8 @@ def _open(target: "Testbed | Topology | str", *, runtime: str | None, name: str 
             topo = topo.with_overrides(name=name, runtime=runtime)
         if prepare is not None:
             topo = prepare(topo)
-        tb = Testbed(topo, runtime=runtime, results_dir=out)
-        tb.up()
-        try:
+        with Testbed(topo, runtime=runtime, results_dir=out) as tb:
             yield tb
-        finally:
-            tb.down()
         return
     if isinstance(target, str):
         try:
@@ -229,15 +172,12 @@ def _open(target: "Testbed | Topology | str", *, runtime: str | None, name: str 
                              "(testbed status lists those)") from None
     elif isinstance(target, Testbed):
         tb = target
-        if tb.state is None:
+        if not tb.is_up:
             raise BenchError(f"topology {tb.name} is not up")
     else:
         raise TypeError("target must be a Testbed, a Topology or the name of a topology that is up")
-    guard = _LinkGuard(tb, links)
-    try:
+    with tb.links_restored(links, warn=lambda msg: log(f"warning: {msg}")):
         yield tb
-    finally:
-        guard.restore(log)
 
 
 def _topology_of(target) -> Topology:
@@ -415,21 +355,21 @@ def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None
         hosts = [client, server]
         log(f"latency on {tb.name} ({tb.runtime_name}) link {l.name}: {client} -> {server} {addr}:{port}, "
             f"{size} B x {count} round trips, {len(cfgs)} configurations x {repeat}")
-        with _detached(tb, l.name):
+        with tb.detached(l.name):
             _pingpong(tb, client, server, addr, size, min(count, 200), warmup, port)  # discarded warm-up run
         for rep in range(repeat):
             for c in cfgs:
                 if c["engine"]:
                     tb.set_link(l.name, ber=c["ber"], checksum=c["checksum"], scope="payload")
-                ctx = _detached(tb, l.name) if not c["engine"] else nullcontext()
+                ctx = tb.detached(l.name) if not c["engine"] else nullcontext()
                 with ctx:
-                    e0, s0 = _engine_counters(tb, {l.name}), {h: _snmp(tb, h) for h in hosts}
+                    e0, s0 = tb.counters([l.name]), {h: _snmp(tb, h) for h in hosts}
                     err = None
                     try:
                         res = _pingpong(tb, client, server, addr, size, count, warmup, port)
                     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
                         err, res = f"{type(e).__name__}: {e}", {"samples_us": []}
-                    e1, s1 = _engine_counters(tb, {l.name}), {h: _snmp(tb, h) for h in hosts}
+                    e1, s1 = tb.counters([l.name]), {h: _snmp(tb, h) for h in hosts}
                 eng = _engine_delta(e0, e1) if c["engine"] else {f: 0 for f in ENGINE_FIELDS}
                 rec = {"rep": rep, **_percentiles(res["samples_us"]), **{f: eng[f] for f in ENGINE_FIELDS},
                        **_snmp_delta(s0, s1), "seconds": res.get("seconds"), "error": err}
@@ -578,13 +518,13 @@ def measure_collective(tb_or_topology: "Testbed | Topology | str", sizes=DEFAULT
             base / f".collective-{uuid.uuid4().hex[:8]}"
         run_dir.mkdir(parents=True, exist_ok=True)
         result_file = run_dir / "collective-rank0.json"
-        before = _engine_counters(tb, None)
+        before = tb.counters()
         log(f"collective on {tb.name} ({tb.runtime_name}): {len(hosts)} ranks on {', '.join(hosts)}, "
             f"{len(sizes)} sizes" + (f", ber {ber:g} {scope}" if ber is not None else ""))
         try:
             worker = _run_collective(tb, hosts, sizes, budget, timeout, run_dir, result_file, log)
         finally:
-            after = _engine_counters(tb, None)
+            after = tb.counters()
             logs = {p.name: p.read_text(errors="replace")[-4000:] for p in sorted(run_dir.glob("rank*.log"))}
             shutil.rmtree(run_dir, ignore_errors=True)
         runtime_name, topo_name, topo_file = tb.runtime_name, tb.name, tb.topo.file
@@ -678,8 +618,8 @@ def _log(msg: str) -> None:
 
 
 def _cli_errors(fn):
+    """Bad input to a bench command is the command's bad input (exit 2)."""
     def wrapped(args) -> int:
-        from ..cli import EXIT_INPUT, CliError
         try:
             return fn(args)
         except BenchError as e:
@@ -733,12 +673,20 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+BENCH_DESCRIPTION = ("Measurements over real sockets. TOPOLOGY is a YAML file (brought up for the measurement and "
+                     "down after) or the name of a topology that is up (left as it was found). Tables go to stdout, "
+                     "progress to stderr, JSON to --out.")
+
+
 def register_bench(sub) -> None:
     """Adds `bench latency` and `bench collective` to the `testbed` command's subparsers."""
     b = sub.add_parser("bench", help="latency and collective benchmarks over a topology's real sockets",
-                       description="Measurements over real sockets. TOPOLOGY is a YAML file (brought up for the "
-                                   "measurement and down after) or the name of a topology that is up (left as "
-                                   "it was found). Tables go to stdout, progress to stderr, JSON to --out.")
+                       description=BENCH_DESCRIPTION)
+    add_bench_commands(b)
+
+
+def add_bench_commands(b: argparse.ArgumentParser) -> None:
+    """The `latency` and `collective` subcommands, under `b` (`testbed bench`, or this module's own main)."""
     bsub = b.add_subparsers(dest="bench_cmd", metavar="{latency,collective}", required=True)
 
     s = bsub.add_parser("latency", help="TCP ping-pong RTT over one link: no engine, BER 0, fix vs keep per BER",
@@ -758,7 +706,7 @@ def register_bench(sub) -> None:
     s.add_argument("--repeat", type=int, default=1, help="run the whole sequence this many times (pooled)")
     s.add_argument("--port", type=int, default=PINGPONG_PORT, help=f"server port (default {PINGPONG_PORT})")
     s.add_argument("--out", metavar="DIR", help="where latency.json goes (default results/bench/latency-NAME-TIME)")
-    s.add_argument("--runtime", choices=["netns", "docker"], help="runtime for a topology file")
+    s.add_argument("--runtime", choices=runtime_names(), help="runtime for a topology file")
     s.add_argument("--name", help="topology name to bring the file up under")
     s.add_argument("--json", action="store_true", help="print the whole document as JSON")
     s.set_defaults(fn=cmd_bench_latency)
@@ -779,17 +727,28 @@ def register_bench(sub) -> None:
     s.add_argument("--budget", type=float, default=0.5, help="seconds of timing per size and operation")
     s.add_argument("--timeout", type=float, default=60.0, help="gloo process-group timeout (s)")
     s.add_argument("--out", metavar="DIR", help="where collective.json goes (default results/bench/collective-NAME-TIME)")
-    s.add_argument("--runtime", choices=["netns", "docker"], help="runtime for a topology file")
+    s.add_argument("--runtime", choices=runtime_names(), help="runtime for a topology file")
     s.add_argument("--name", help="topology name to bring the file up under")
     s.add_argument("--json", action="store_true", help="print the whole document as JSON")
     s.set_defaults(fn=cmd_bench_collective)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m testbed.experiments.bench latency|collective ...` = `testbed bench ...`."""
-    from ..cli import main as cli_main
-
-    return cli_main(["bench", *(argv if argv is not None else sys.argv[1:])])
+    """`python -m testbed.experiments.bench latency|collective ...`: the same as `testbed bench ...`."""
+    p = argparse.ArgumentParser(prog="python -m testbed.experiments.bench", description=BENCH_DESCRIPTION)
+    add_bench_commands(p)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except TopologyError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_INPUT
+    except RuntimeUnavailable as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return EXIT_CAPABILITY
+    except CliError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return e.code
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
 """Where hosts live. A runtime only creates, starts, execs in, lists and deletes hosts, and hands back each
 host's network namespace (as a path). Links, engines and routes work on those paths and never ask which
-runtime made a host (containerlab's runtime interface is the model)."""
+runtime made a host (containerlab's runtime interface is the model).
+
+Runtimes register themselves (`@register_runtime`) when their module is imported; testbed/runtime/__init__.py
+imports the built-in ones, so importing anything of testbed.runtime makes them all known. Teardown and the
+leftover sweeps walk `all_runtimes()` and never name one."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -34,6 +39,8 @@ class Host:
 
 class Runtime(ABC):
     name: str = ""
+    # What this runtime's hosts are called in clean.leftovers() (a key of its result: "netns", "containers").
+    leftover_key: str = "hosts"
     # The Python that runs the testbed's own programs (workers, probes) inside this runtime's hosts.
     python: str = "python3"
 
@@ -53,7 +60,6 @@ class Runtime(ABC):
 
     def host_alive(self, host: Host) -> bool:
         """Whether the host still exists (its network namespace is there)."""
-        import os
         return os.path.exists(host.netns)
 
     def shared_dir(self):
@@ -65,22 +71,52 @@ class Runtime(ABC):
 
     @abstractmethod
     def list(self, topology: str | None = None) -> list[str]:
-        """Identifiers of the hosts this runtime holds for `topology` (all testbed hosts if None)."""
+        """Identifiers of the hosts this runtime holds for `topology` (all testbed hosts if None), recorded in
+        a state file or not. [] when the runtime's daemon is unreachable (then it holds nothing of ours)."""
 
     @abstractmethod
     def delete(self, host: Host) -> None:
         """Remove the host and everything it holds. Idempotent."""
 
     def delete_all(self, topology: str | None = None) -> list[str]:
-        """Remove every host of `topology` (or of all topologies) found by label/prefix; return what went."""
+        """Remove every host of `topology` (of all topologies if None) found by label/prefix, also those no
+        state file records (a killed `up`); return what went. [] when the daemon is unreachable."""
         return []
+
+    def sweep(self) -> list[str]:
+        """`down --all`: remove whatever of the testbed this runtime holds, recorded in a state file or not;
+        return what went. By default every testbed host (`delete_all()`); a runtime with more kinds of
+        things (networks, volumes) removes those too."""
+        return self.delete_all(None)
+
+
+RUNTIMES: dict[str, type[Runtime]] = {}
+
+
+def register_runtime(cls: type[Runtime]) -> type[Runtime]:
+    """Class decorator: make a runtime known by its `name` (to `get_runtime`, teardown and the sweeps)."""
+    if not cls.name:
+        raise TypeError(f"runtime class {cls.__name__} has no name")
+    known = RUNTIMES.get(cls.name)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if known is not None and f"{known.__module__}.{known.__qualname__}" != where:  # the same one reloaded is fine
+        raise ValueError(f"two runtimes named {cls.name!r}: {known.__module__}.{known.__qualname__} and {where}")
+    RUNTIMES[cls.name] = cls
+    return cls
 
 
 def get_runtime(name: str) -> Runtime:
-    if name == "netns":
-        from .netns import NetnsRuntime
-        return NetnsRuntime()
-    if name == "docker":
-        from .docker import DockerRuntime
-        return DockerRuntime()
-    raise ValueError(f"unknown runtime {name!r} (netns or docker)")
+    try:
+        return RUNTIMES[name]()
+    except KeyError:
+        raise ValueError(f"unknown runtime {name!r} (known: {', '.join(sorted(RUNTIMES)) or 'none'})") from None
+
+
+def runtime_names() -> list[str]:
+    """The registered runtimes' names (what --runtime accepts), netns first."""
+    return list(RUNTIMES)
+
+
+def all_runtimes() -> list[Runtime]:
+    """One instance of every registered runtime, in registration order (netns first)."""
+    return [cls() for cls in RUNTIMES.values()]

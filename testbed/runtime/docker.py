@@ -34,8 +34,8 @@ import time
 import uuid
 from pathlib import Path
 
-from .. import nsutil
-from .base import Host, Runtime, RuntimeUnavailable
+from .. import nsutil, procs
+from .base import Host, Runtime, RuntimeUnavailable, register_runtime
 
 LABEL_TOPOLOGY = "testbed.topology"
 LABEL_NODE = "testbed.node"
@@ -84,7 +84,10 @@ def _connect(url: str, timeout: float):
 
 def client(timeout: float = 120):
     """A docker SDK client for the first engine that answers; RuntimeUnavailable (with what to do) if none."""
-    import docker
+    try:
+        import docker
+    except ImportError:
+        raise RuntimeUnavailable("the docker SDK is missing from this Python: pip install docker") from None
 
     key = os.environ.get("DOCKER_HOST", "")
     url = _engine_cache.get(key)
@@ -138,8 +141,10 @@ def _cli_prefix() -> list[str]:
     return ["docker", "-H", engine_url()]
 
 
+@register_runtime
 class DockerRuntime(Runtime):
     name = "docker"
+    leftover_key = "containers"
     python = "python3"  # the worker image's
 
     def host_alive(self, host: Host) -> bool:
@@ -356,10 +361,7 @@ class ContainerPopen(subprocess.Popen):
             time.sleep(0.02)  # `docker exec` takes ~0.1 s to start the command: give it that
             pids = self.inside_pids()
         for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+            procs.kill(pid, sig)
         if sig == signal.SIGKILL or not pids:
             super().send_signal(sig)
 
@@ -371,37 +373,20 @@ class ContainerPopen(subprocess.Popen):
 
 
 def _tagged_pids(tag: str, container_pid: int | None) -> list[int]:
-    needle = f"{EXEC_TAG}={tag}".encode()
-    want_ns = None
+    """Processes carrying EXEC_TAG=tag in their environment, in the container's pid namespace if given."""
+    needle = f"{EXEC_TAG}={tag}"
     if container_pid:
-        try:
-            want_ns = os.stat(f"/proc/{container_pid}/ns/pid").st_ino
-        except OSError:
-            return []
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if want_ns is not None and os.stat(f"/proc/{entry}/ns/pid").st_ino != want_ns:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
+        candidates = procs.in_namespace(f"/proc/{container_pid}/ns/pid", "pid")
+    else:
+        candidates = procs.pids()
+    return [p for p in candidates if needle in (procs.environ(p) or [])]
 
 
 def _is_our_process(pid: int, topology: str, node: str) -> bool:
     """Is host pid `pid` the init of the container just made for (topology, node)? (Its environment says so;
     a remote engine's pid would name some unrelated process here, or none.)"""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-    except OSError:
-        return False
-    return f"TESTBED_TOPOLOGY={topology}".encode() in env and f"TESTBED_NODE={node}".encode() in env
+    env = procs.environ(pid) or []
+    return f"TESTBED_TOPOLOGY={topology}" in env and f"TESTBED_NODE={node}" in env
 
 
 def _cid(host: Host) -> str:
@@ -456,23 +441,13 @@ def _kill_foreign_processes(ctr) -> None:
     pid = int((ctr.attrs.get("State") or {}).get("Pid") or 0)
     if not pid:
         return
-    netns = f"/proc/{pid}/ns/net"
-    try:
-        own_pidns = os.stat(f"/proc/{pid}/ns/pid").st_ino
-    except OSError:
+    own_pidns = procs.namespace(pid, "pid")
+    if own_pidns is None:
         return
-    foreign = []
-    for p in nsutil.processes_in_netns(netns):
-        try:
-            if os.stat(f"/proc/{p}/ns/pid").st_ino != own_pidns:
-                foreign.append(p)
-        except OSError:
-            continue
-    for p in foreign:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    for p in nsutil.processes_in_netns(f"/proc/{pid}/ns/net"):
+        pidns = procs.namespace(p, "pid")
+        if pidns is not None and pidns != own_pidns:
+            procs.kill(p)
 
 
 def _remove_container(ctr) -> None:
@@ -494,20 +469,6 @@ def _force_remove(ctr) -> None:
         if e.status_code == 409 and "already in progress" in str(e):
             return  # another teardown is removing it
         raise
-
-
-def sweep_containers() -> list[str]:
-    """Remove every container carrying a testbed label, on the engine the runtime would use; return their
-    names. No engine reachable: nothing of ours can be running there, return []."""
-    try:
-        c = client(timeout=60)
-    except RuntimeUnavailable:
-        return []
-    gone = []
-    for ctr in c.containers.list(all=True, filters={"label": LABEL_TOPOLOGY}):
-        _remove_container(ctr)
-        gone.append(ctr.name)
-    return gone
 
 
 def engine_status() -> tuple[bool, str]:

@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 
 from .. import nsutil
-from .base import Host, Runtime, RuntimeUnavailable
+from .base import Host, Runtime, RuntimeUnavailable, register_runtime
 
 ETC_NETNS = Path("/etc/netns")
 
 
+@register_runtime
 class NetnsRuntime(Runtime):
     name = "netns"
+    leftover_key = "netns"
     python = sys.executable  # hosts share this machine's file system
 
     def check(self) -> None:
