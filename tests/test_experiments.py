@@ -4,7 +4,6 @@ schema, valid PNGs, resumption after SIGINT, and a report rebuilt from results a
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TESTBED, tb_cli
+from testbed.experiments import results
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROW_KEYS = {"point", "baseline", "experiment", "fingerprint", "mode", "ber", "scope", "checksum", "seed", "model",
@@ -34,6 +34,25 @@ grid: {{mode: [ddp], ber: [{bers}], scope: [tensor], checksum: [fix], seed: [1]}
 train: {{batch_size: 4, seq_len: 32, eval_every: 2, timeout: 15}}
 {extra}""")
     return f
+
+
+def leftovers_named(prefix: str) -> dict:
+    """What `clean.leftovers()` finds of topologies whose name starts with `prefix`: namespaces, /etc/netns
+    files, containers, state directories (under the real state root, TESTBED_STATE_DIR included) and engines
+    (by their config under that root). Other topologies (concurrent test runs) are not looked at."""
+    from testbed import clean, procs
+    from testbed.state import state_dir
+
+    mine = {}
+    for kind, found in clean.leftovers().items():
+        if kind == "engines":
+            root = str(state_dir(prefix))  # the state directory of such a topology starts with this
+            hits = [pid for pid in found if any(a.startswith(root) for a in procs.cmdline(pid) or [])]
+        else:
+            hits = [x for x in found if x.startswith((prefix, f"tb.{prefix}"))]
+        if hits:
+            mine[kind] = hits
+    return mine
 
 
 def rows_of(out: Path) -> list[dict]:
@@ -61,6 +80,8 @@ def test_two_point_experiment_outputs(tmp_path, runtime):
     assert [x["point"] for x in rows] == ["ddp-ber0-tensor-fix-s1", "ddp-ber1e-5-tensor-fix-s1"]
     for row in rows:
         assert ROW_KEYS <= row.keys(), ROW_KEYS - row.keys()
+        assert list(row) == list(results.ROW_FIELDS)  # the one results schema, in its order
+        assert results.row_problems(row) == [], results.row_problems(row)
         assert row["status"] == "ok" and row["runtime"] == runtime
         assert len(row["loss_curve"]) == 4 and row["eval_curve"]
         if runtime == "docker":
@@ -98,16 +119,24 @@ def test_sigint_then_rerun_completes_only_missing_points(tmp_path):
         if (out / "results.jsonl").exists() and len(rows_of(out)) >= 1:
             break
         time.sleep(0.2)
+    # The runner names its topologies EXPERIMENT[:8] + its pid + "-POINT": those of this run start with
+    prefix = f"intr{p.pid % 10000}-"
     time.sleep(2.0)  # well into the second point
+    # Interrupt while a topology is up (so that the check below has something to find if SIGINT leaked it).
+    deadline = time.monotonic() + 60
+    while not leftovers_named(prefix) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers_named(prefix), f"no topology {prefix}* is up to interrupt"
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode != 0
     first = rows_of(out)
     assert 1 <= len(first) < 3, err[-2000:]
+    assert first[0]["topology"].startswith(prefix), first[0]["topology"]  # the prefix above is the real one
     # Nothing half-written: every line parses (checked above), no temp files, no topology left behind.
     assert not [f for f in out.iterdir() if f.name.startswith(".")]
-    assert not [n for n in os.listdir("/run/netns") if n.startswith("tb.intr")] if os.path.isdir("/run/netns") else True
-    assert not [n for n in (os.listdir("/run/testbed") if os.path.isdir("/run/testbed") else []) if n.startswith("intr")]
+    left = leftovers_named(prefix)
+    assert not left, f"the interrupted run left {left}"
 
     r = tb_cli("run", str(exp), "--out", str(out), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

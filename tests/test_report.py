@@ -1,5 +1,5 @@
-"""Report and plots of an experiment (testbed/experiments/report.py, plots.py): pure logic on synthetic
-results.jsonl rows shaped like a real run (tiny GPT-2, 30 steps, DDP and PP on 2 hosts, BER 0/1e-6/1e-5/1e-4,
+"""Report, analysis and plots of an experiment (testbed/experiments/report.py, analysis.py, plots.py): pure
+logic on synthetic results.jsonl rows (built through the results schema, results.py) shaped like a real run (tiny GPT-2, 30 steps, DDP and PP on 2 hosts, BER 0/1e-6/1e-5/1e-4,
 2 seeds, some runs crashed or diverged with null fields), plus valid PNGs and the report's key table."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from testbed.experiments import plots, report
+from testbed.experiments import analysis, plots, report, results
 
 TINY_PARAMS = 236_928
 STEPS = 30
@@ -31,7 +31,7 @@ def _loss_curve(final: float, rng, steps: int = STEPS, stop: int | None = None) 
 
 
 def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: str = "fix") -> dict:
-    """One results.jsonl row (docs/experiments.md) with realistic values; failed runs have null fields."""
+    """One results.jsonl row (every field of the schema) with realistic values; failed runs have null fields."""
     rng = np.random.default_rng([int(ber * 1e7), seed, len(mode)])
     status = FAILURES.get((mode, ber, seed), "ok")
     ok = status == "ok"
@@ -43,7 +43,7 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
     bits_seen = 2 * TINY_PARAMS * 32 * (STEPS if ok else 12)
     deviation = 0.3 * math.sqrt(ber / 1e-6) * (1 + 0.05 * seed) if ber > 0 else 0.0
     point = f"{mode}-ber{ber:g}-{scope}-{checksum}-s{seed}"
-    return {
+    return results.new_row(**{
         "point": point, "baseline": f"{mode}-ber0-{scope}-{checksum}-s{seed}", "experiment": "quick",
         "fingerprint": "0123456789abcdef", "mode": mode, "ber": ber, "scope": scope, "checksum": checksum,
         "seed": seed, "model": "tiny", "steps": STEPS, "topology": "pair", "runtime": "netns", "world_size": 2,
@@ -60,9 +60,13 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
         "final_deviation": deviation if ok else None,
         "replica_divergence_curve": [],
         "final_replica_divergence": (deviation / 3 if ber > 0 else 0.0) if ok and mode == "ddp" else None,
+        "final_deviation_exact": True if ok else None,
         "n_params": TINY_PARAMS, "lr": 1e-3, "grad_clip": 1.0,
-        "wall_time_s": 40.0, "finished_at": 1.7e9 + 60 * seed, "image_digest": None,
-    }
+        "batch_size": None, "seq_len": None, "microbatches": None,  # as if the rows predate these fields
+        "collectives": ["allreduce" if mode == "ddp" else "p2p"],
+        "machine": {"uname": "Linux test 6.1 x86_64", "cpus": 2, "hostname": "test"},
+        "wall_time_s": 40.0, "finished_at": 1.7e9 + 60 * seed, "image_digest": None, "run_dir": f"points/{point}",
+    })
 
 
 def make_rows(modes=("ddp", "pp")) -> list[dict]:
@@ -121,7 +125,7 @@ def test_summary_csv_has_scalar_fields_in_a_stable_order(tmp_path):
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         lines = list(reader)
-    assert reader.fieldnames == list(report.SUMMARY_COLUMNS) + ["hostname"]
+    assert reader.fieldnames == list(results.SUMMARY_COLUMNS) + ["hostname"]
     assert not {"loss_curve", "eval_curve", "deviation_curve", "engine_stats"} & set(reader.fieldnames)
     assert len(lines) == len(rows)
     # grid order whatever the input order: mode, scope, checksum, BER, seed
@@ -135,7 +139,7 @@ def test_summary_csv_has_scalar_fields_in_a_stable_order(tmp_path):
 
 def test_summary_csv_of_no_rows_is_a_header(tmp_path):
     path = report.write_summary_csv([], tmp_path / "summary.csv")
-    assert path.read_text().strip() == ",".join(report.SUMMARY_COLUMNS)
+    assert path.read_text().strip() == ",".join(results.SUMMARY_COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,7 +147,7 @@ def test_summary_csv_of_no_rows_is_a_header(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_aggregate_per_point_statistics():
-    agg = report.aggregate(make_rows())
+    agg = analysis.aggregate(make_rows())
     assert [(p["mode"], p["ber"]) for p in agg] == [(m, b) for m in ("ddp", "pp") for b in BERS]
     pts = by_key(agg)
     clean = pts[("ddp", 0.0)]
@@ -169,14 +173,14 @@ def test_aggregate_per_point_statistics():
 
 
 def test_aggregate_without_a_clean_point_has_no_gap():
-    agg = report.aggregate([r for r in make_rows(("ddp",)) if r["ber"] > 0])
+    agg = analysis.aggregate([r for r in make_rows(("ddp",)) if r["ber"] > 0])
     assert all(p["loss_gap"] is None and p["clean_eval_loss_mean"] is None for p in agg)
-    th = report.thresholds(agg)["ddp/tensor/fix"]
+    th = analysis.thresholds(agg)["ddp/tensor/fix"]
     assert th["max_ok_ber"] is None and th["min_fail_ber"] is None and "no clean" in th["note"]
 
 
 def test_thresholds_find_the_last_passing_and_first_failing_ber():
-    th = report.thresholds(report.aggregate(make_rows()))
+    th = analysis.thresholds(analysis.aggregate(make_rows()))
     assert set(th) == {"ddp/tensor/fix", "pp/tensor/fix"}
     ddp, pp = th["ddp/tensor/fix"], th["pp/tensor/fix"]
     # DDP completes everywhere but loses 0.8 nats at 1e-4: a loss-gap failure
@@ -198,10 +202,10 @@ def test_threshold_tolerance_follows_the_clean_seed_noise():
     for r in rows:  # clean seeds 0.5 apart: 3 stdev = 1.06 nats, more than the 0.8 gap at 1e-4
         if r["ber"] == 0 and r["seed"] == 2:
             r["final_eval_loss"] += 0.48
-    th = report.thresholds(report.aggregate(rows))["ddp/tensor/fix"]
+    th = analysis.thresholds(analysis.aggregate(rows))["ddp/tensor/fix"]
     assert th["tolerance_abs"] == pytest.approx(3 * 0.5 / math.sqrt(2), rel=1e-3)
     assert (th["max_ok_ber"], th["min_fail_ber"]) == (1e-4, None)
-    assert report.thresholds(report.aggregate(rows), tolerance=0.02, n_std=0)["ddp/tensor/fix"]["min_fail_ber"] \
+    assert analysis.thresholds(analysis.aggregate(rows), tolerance=0.02, n_std=0)["ddp/tensor/fix"]["min_fail_ber"] \
         == 1e-4
 
 
@@ -210,7 +214,7 @@ def test_thresholds_flag_a_ber_that_passes_again_above_a_failure():
     for r in rows:
         if r["ber"] == 1e-6 and r["seed"] == 1:
             r.update(status="hung", final_eval_loss=None)
-    th = report.thresholds(report.aggregate(rows))["ddp/tensor/fix"]
+    th = analysis.thresholds(analysis.aggregate(rows))["ddp/tensor/fix"]
     assert th["max_ok_ber"] is None and th["min_fail_ber"] == 1e-6 and th["non_monotonic"]
     assert th["passing_bers"] == [1e-5]
     assert "non-monotonic" in report.threshold_sentence(th)
@@ -218,19 +222,19 @@ def test_thresholds_flag_a_ber_that_passes_again_above_a_failure():
 
 def test_thresholds_when_the_clean_runs_failed_and_for_checksum_keep():
     rows = [{**r, "status": "crashed", "final_eval_loss": None} for r in make_rows(("pp",))]
-    th = report.thresholds(report.aggregate(rows))["pp/tensor/fix"]
+    th = analysis.thresholds(analysis.aggregate(rows))["pp/tensor/fix"]
     assert th["tolerance_abs"] is None and "not all ok" in th["note"]
     assert "no threshold" in report.threshold_sentence(th)
     keep = [make_row("ddp", b, s, checksum="keep") for b in BERS for s in SEEDS]
-    th = report.thresholds(report.aggregate(keep))["ddp/tensor/keep"]
+    th = analysis.thresholds(analysis.aggregate(keep))["ddp/tensor/keep"]
     assert th["theory_ber"] is None and "retransmitted" in th["theory_basis"]
 
 
 def test_theory_threshold_matches_theory_py():
     from testbed.experiments import theory
-    ber, _ = report.theory_threshold("ddp", "fix", {"n_params": theory.GPT2_124M_PARAMS, "world_size": 4})
+    ber, _ = analysis.theory_threshold("ddp", "fix", {"n_params": theory.GPT2_124M_PARAMS, "world_size": 4})
     assert ber == pytest.approx(1.79e-9, rel=0.01)  # docs/theory.md: 4 ranks, GPT-2 124M
-    ber, _ = report.theory_threshold("pp", "fix", {"model": "gpt2-124m", "world_size": 2, "batch_size": 8,
+    ber, _ = analysis.theory_threshold("pp", "fix", {"model": "gpt2-124m", "world_size": 2, "batch_size": 8,
                                                    "seq_len": 1024})
     assert ber == pytest.approx(8.33e-8, rel=0.01)  # docs/theory.md: 2 stages, B 8 x T 1024
 
@@ -240,7 +244,7 @@ def test_theory_threshold_matches_theory_py():
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_deviation_fit_recovers_the_sqrt_slope_and_carries_the_theory():
-    fits = report.deviation_fits(make_rows())
+    fits = analysis.deviation_fits(make_rows())
     ddp = fits["ddp/tensor/fix"]
     assert ddp["fit"]["slope"] == pytest.approx(0.5, abs=0.02) and ddp["fit"]["n_points"] == 6
     assert [p["ber"] for p in ddp["per_ber"]] == [1e-6, 1e-5, 1e-4]
@@ -251,21 +255,21 @@ def test_deviation_fit_recovers_the_sqrt_slope_and_carries_the_theory():
 
 
 def test_theory_deviation_uses_the_runs_setup():
-    setup = plots.run_setup(make_rows(), "ddp")
+    setup = analysis.run_setup(make_rows(), "ddp")
     assert setup == {"model": "tiny", "n_params": TINY_PARAMS, "steps": STEPS, "lr": 1e-3, "grad_clip": 1.0,
                      "world_size": 2}
-    est = plots.theory_deviation([1e-8, 1e-6], setup)
+    est = analysis.theory_deviation([1e-8, 1e-6], setup)
     assert est.shape == (2,) and 0 < est[0] < est[1]
-    assert plots.theory_deviation([1e-6], {"steps": 30}) is None
+    assert analysis.theory_deviation([1e-6], {"steps": 30}) is None
 
 
 def test_retransmission_penalty_compares_keep_with_fix_at_the_same_ber():
-    pens = report.retransmission_penalties(make_latency())
+    pens = analysis.retransmission_penalties(make_latency())
     assert [p["ber"] for p in pens] == [0.0, 1e-6, 1e-5]  # BER 0: the control
     assert pens[0]["p50_us"]["ratio"] == pytest.approx(1, abs=0.1)
     hot = pens[2]["p99_us"]
     assert hot["extra"] > 1e5 and hot["ratio"] > 100  # 5 % of round trips waited for the 200 ms RTO
-    assert report.retransmission_penalties(None) == []
+    assert analysis.retransmission_penalties(None) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------

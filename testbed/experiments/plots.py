@@ -24,90 +24,23 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import NullLocator
 
-from ..train.common import write_atomic
-from . import theory
+from ..fileio import write_atomic
+from . import results
+from .analysis import PUBLISHED_TOLERATED_BER, run_setup, skipped_fraction, theory_deviation
+from .formatting import ber_text, config_label, mode_name
+from .results import ber_of, config_of, configs, finite, is_ok, modes, positive
 
 DPI = 120
-MODE_ORDER = ("ddp", "pp")
-MODE_NAMES = {"ddp": "DDP", "pp": "PP"}
-# Published analysis (GPT-2 124M): DDP trained as well as clean below BER 1e-4, PP needed BER below 1e-5
-PUBLISHED_TOLERATED_BER = {"ddp": 1e-4, "pp": 1e-5}
 FAILED_MARKER, OK_MARKER = "x", "o"
+# the results.jsonl fields plotted (checked against the schema when this module loads)
+LOSS_CURVE, EVAL_LOSS, DEVIATION, DIVERGENCE, STEP_TIME = results.field_names(
+    "loss_curve", "final_eval_loss", "final_deviation", "final_replica_divergence", "median_step_time_s")
 LATENCY_QUANTILES = (("p50_us", 0.5), ("p90_us", 0.9), ("p99_us", 0.99), ("p999_us", 0.999))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Row helpers (also used by report.py)
+# Colors
 # ---------------------------------------------------------------------------------------------------------------
-
-def finite(x) -> float | None:
-    """x as a float when it is a finite number, else None (null, NaN, Inf, strings)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x) if math.isfinite(x) else None
-
-
-def positive(x) -> float | None:
-    """x as a float when it is finite and > 0 (what a log axis can show), else None."""
-    v = finite(x)
-    return v if v is not None and v > 0 else None
-
-
-def mode_key(mode: str) -> tuple:
-    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), str(mode))
-
-
-def config_of(row: dict) -> tuple:
-    return (row.get("mode"), row.get("scope"), row.get("checksum"))
-
-
-def config_sort_key(config: tuple) -> tuple:
-    mode, scope, checksum = config
-    return (*mode_key(mode), str(scope), str(checksum))
-
-
-def configs(rows: list[dict]) -> list[tuple]:
-    return sorted({config_of(r) for r in rows}, key=config_sort_key)
-
-
-def modes(rows: list[dict]) -> list[str]:
-    return sorted({r.get("mode") for r in rows}, key=mode_key)
-
-
-def mode_name(mode: str) -> str:
-    return MODE_NAMES.get(mode, str(mode))
-
-
-def config_label(config: tuple, all_configs: list[tuple]) -> str:
-    """'DDP', or 'DDP tensor/keep' when the experiment has several scopes or checksum modes."""
-    mode, scope, checksum = config
-    varies = len({c[1:] for c in all_configs}) > 1
-    return f"{mode_name(mode)} {scope}/{checksum}" if varies else mode_name(mode)
-
-
-def ber_text(ber: float | None) -> str:
-    """1e-05, 2.4e-04, 0. Text that is not a number (YAML reads '1e-6' as a string) passes through."""
-    if ber is None:
-        return "—"
-    try:
-        ber = float(ber)
-    except (TypeError, ValueError):
-        return str(ber)
-    return "0" if ber == 0 else f"{ber:.1e}".replace(".0e", "e")
-
-
-def ber_of(row: dict) -> float:
-    """The row's BER as a float (numeric strings accepted); 0 when absent."""
-    try:
-        ber = float(row.get("ber") or 0.0)
-    except (TypeError, ValueError):
-        return 0.0
-    return ber if math.isfinite(ber) else 0.0
-
-
-def is_ok(row: dict) -> bool:
-    return row.get("status") == "ok"
-
 
 def config_colors(all_configs: list[tuple]) -> dict:
     palette = colormaps["tab10"].colors
@@ -123,30 +56,6 @@ def ber_colors(bers) -> dict:
     for i, b in enumerate(nonzero):
         colors[b] = cmap(0.1 + 0.75 * (i / max(len(nonzero) - 1, 1)))
     return colors
-
-
-def run_setup(rows: list[dict], mode: str) -> dict:
-    """The training setup of `mode`'s runs (first row that reports each field), for the theory overlays."""
-    setup = {}
-    for key in ("model", "n_params", "steps", "lr", "grad_clip", "world_size", "batch_size", "seq_len"):
-        for r in rows:
-            if r.get("mode") == mode and r.get(key) is not None:
-                setup[key] = r[key]
-                break
-    return setup
-
-
-def theory_deviation(bers, setup: dict) -> np.ndarray | None:
-    """weight_deviation_estimate (DDP gradient errors, AdamW as the worker trains) at each BER, or None when the
-    setup lacks n_params/steps/lr. grad_clip None means the worker's default, 1.0; world_size < 2 has no ring."""
-    n_params, steps, lr = setup.get("n_params"), setup.get("steps"), setup.get("lr")
-    if not (n_params and steps and lr):
-        return None
-    clip = setup.get("grad_clip")
-    n_ranks = max(int(setup.get("world_size") or 2), 2)
-    est = theory.weight_deviation_estimate(np.asarray(bers, dtype=float), int(n_params), int(steps), float(lr),
-                                           "adamw", grad_clip=1.0 if clip is None else float(clip), n_ranks=n_ranks)
-    return np.atleast_1d(np.asarray(est, dtype=float))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,8 +114,8 @@ def _mark_at_top(ax, rows: list[dict], y_axes: float, marker: str, color, label:
 
 
 def _initial_losses(rows: list[dict], mode: str) -> list[float]:
-    return [v for r in rows if r.get("mode") == mode and r.get("loss_curve")
-            if (v := finite(r["loss_curve"][0])) is not None]
+    return [v for r in rows if r.get("mode") == mode and r.get(LOSS_CURVE)
+            if (v := finite(r[LOSS_CURVE][0])) is not None]
 
 
 def _robust_top(values: list[float], reference: list[float]) -> float | None:
@@ -262,7 +171,7 @@ def _curves_array(curves: list[list]) -> np.ndarray:
 
 def plot_loss_vs_step(rows: list[dict], path) -> Path | None:
     """Training loss per step: a panel per mode, a line per BER (mean over seeds, band = min..max)."""
-    with_curves = [r for r in rows if isinstance(r.get("loss_curve"), list) and r["loss_curve"]]
+    with_curves = [r for r in rows if isinstance(r.get(LOSS_CURVE), list) and r[LOSS_CURVE]]
     if not with_curves:
         return None
     all_configs = configs(with_curves)
@@ -275,7 +184,7 @@ def plot_loss_vs_step(rows: list[dict], path) -> Path | None:
         plotted, initial = [], []
         for style, config in zip(styles * 4, mode_configs):
             for ber, group in _by_ber([r for r in with_curves if config_of(r) == config]).items():
-                arr = _curves_array([r["loss_curve"] for r in group])
+                arr = _curves_array([r[LOSS_CURVE] for r in group])
                 with warnings.catch_warnings():  # steps where every seed is NaN stay NaN, quietly
                     warnings.simplefilter("ignore", RuntimeWarning)
                     mean, lo, hi = np.nanmean(arr, 0), np.nanmin(arr, 0), np.nanmax(arr, 0)
@@ -341,24 +250,24 @@ def plot_eval_loss_vs_ber(rows: list[dict], path) -> Path | None:
     fig, axes = _figure(len(panel_modes))
     for ax, mode in zip(axes, panel_modes):
         losses = [v for r in rows if r.get("mode") == mode and ber_of(r) > 0
-                  if (v := finite(r.get("final_eval_loss"))) is not None]
+                  if (v := finite(r.get(EVAL_LOSS))) is not None]
         top = _robust_top(losses, _initial_losses(rows, mode))
         for config in [c for c in all_configs if c[0] == mode]:
             group = [r for r in rows if config_of(r) == config]
             color, label = colors[config], config_label(config, all_configs)
             clean = [v for r in group if ber_of(r) == 0 and is_ok(r)
-                     if (v := finite(r.get("final_eval_loss"))) is not None]
+                     if (v := finite(r.get(EVAL_LOSS))) is not None]
             if clean:
                 ax.axhspan(min(clean), max(clean), color=color, alpha=0.15, linewidth=0)
                 ax.axhline(float(np.mean(clean)), color=color, linestyle="--", linewidth=1,
                            label=f"{label} clean (BER 0), {len(clean)} seeds")
-            _plot_per_run(ax, group, "final_eval_loss", color, clean_x=None)
-            _plot_mean_line(ax, group, "final_eval_loss", color, f"{label}: mean of ok runs", clean_x=None)
+            _plot_per_run(ax, group, EVAL_LOSS, color, clean_x=None)
+            _plot_mean_line(ax, group, EVAL_LOSS, color, f"{label}: mean of ok runs", clean_x=None)
             runs = [r for r in group if ber_of(r) > 0]
-            _mark_at_top(ax, [r for r in runs if finite(r.get("final_eval_loss")) is None], 0.97, "v", color,
+            _mark_at_top(ax, [r for r in runs if finite(r.get(EVAL_LOSS)) is None], 0.97, "v", color,
                          f"{label}: no eval loss (failed)")
             if top is not None:
-                _mark_at_top(ax, [r for r in runs if (finite(r.get("final_eval_loss")) or 0) > top], 0.92, "^",
+                _mark_at_top(ax, [r for r in runs if (finite(r.get(EVAL_LOSS)) or 0) > top], 0.92, "^",
                              color, f"{label}: eval loss above the cut")
         if mode in PUBLISHED_TOLERATED_BER:
             ax.axvline(PUBLISHED_TOLERATED_BER[mode], color="gray", linestyle=":",
@@ -443,14 +352,14 @@ def _draw_theory_deviation(ax, rows: list[dict], mode: str, bers: list[float]) -
 
 def plot_deviation_vs_ber(rows: list[dict], path) -> Path | None:
     """Final L2 distance of the weights from the clean run vs BER, log-log, with the analytical estimate (DDP)."""
-    return _plot_log_log_metric(rows, path, "final_deviation", "||w − w_clean|| at the end (L2, weight units)",
+    return _plot_log_log_metric(rows, path, DEVIATION, "||w − w_clean|| at the end (L2, weight units)",
                                 "weight deviation from the clean run", with_theory=True)
 
 
 def plot_divergence_vs_ber(rows: list[dict], path) -> Path | None:
     """DDP replica divergence (max over ranks of the L2 distance from rank 0) vs BER, log-log."""
     ddp = [r for r in rows if r.get("mode") == "ddp"]
-    return _plot_log_log_metric(ddp, path, "final_replica_divergence", "max over ranks ||w_r − w_0|| (L2)",
+    return _plot_log_log_metric(ddp, path, DIVERGENCE, "max over ranks ||w_r − w_0|| (L2)",
                                 "replica divergence at the end", with_theory=False)
 
 
@@ -491,18 +400,9 @@ def _plot_vs_ber_with_clean(rows: list[dict], path, value, ylabel: str, title: s
 
 def plot_step_time_vs_ber(rows: list[dict], path) -> Path | None:
     """Median step time (slowest rank) vs BER, per mode and checksum mode; line = median over ok runs."""
-    return _plot_vs_ber_with_clean(rows, path, lambda r: positive(r.get("median_step_time_s")),
+    return _plot_vs_ber_with_clean(rows, path, lambda r: positive(r.get(STEP_TIME)),
                                    "median step time (s, slowest rank)", "step time vs BER",
                                    log_y_if_spread=True, average=_median)
-
-
-def skipped_fraction(row: dict) -> float | None:
-    """Skipped updates / steps the run completed (all steps when it did not report steps_completed)."""
-    skipped = finite(row.get("skipped_steps"))
-    steps = finite(row.get("steps_completed")) or finite(row.get("steps"))
-    if skipped is None or not steps:
-        return None
-    return skipped / steps
 
 
 def plot_skipped_vs_ber(rows: list[dict], path) -> Path | None:

@@ -1,0 +1,245 @@
+"""The results.jsonl row: one place that says which fields a row has, their types and what they mean.
+
+The runner builds rows with `new_row` (a trained point) and `error_row` (a point whose set-up failed); both
+refuse a missing or an unknown field, so a row always has exactly the fields listed here. The report's
+summary.csv columns are the scalar fields, in this order; the plots and the analysis read rows through the
+helpers below. docs/experiments.md documents the same table (`python -m testbed.experiments.results` prints
+it as markdown).
+
+Types are JSON types: `str`, `int`, `float` (an int is a valid float), `bool`, `list`, `dict`; a trailing `?`
+means the value may be null.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+STATUSES = ("ok", "diverged", "crashed", "hung", "invalid", "error")  # the report lists them in this order
+CONFIG_FIELDS = ("mode", "scope", "checksum")  # a "config": the grid coordinates but BER and seed
+# the training setup, for the theory overlays (the first row of a mode that reports each one)
+SETUP_FIELDS = ("model", "n_params", "steps", "lr", "grad_clip", "world_size", "batch_size", "seq_len")
+MODE_ORDER = ("ddp", "pp")
+
+_JSON_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,),
+               "dict": (dict,)}
+_SCALAR_TYPES = {"str", "int", "float", "bool"}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: str  # a key of _JSON_TYPES, with "?" when null is allowed
+    doc: str
+    in_error_row: bool = False  # also a field of the row of a point whose set-up failed
+
+    @property
+    def nullable(self) -> bool:
+        return self.type.endswith("?")
+
+    @property
+    def json_type(self) -> str:
+        return self.type.rstrip("?")
+
+    @property
+    def scalar(self) -> bool:
+        """Fits one CSV cell (curves, lists and objects do not)."""
+        return self.json_type in _SCALAR_TYPES
+
+    def accepts(self, value) -> bool:
+        if value is None:
+            return self.nullable
+        if isinstance(value, bool) and self.json_type != "bool":
+            return False  # JSON true is not a number
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # results.jsonl is strict JSON: no NaN or Infinity
+        return isinstance(value, _JSON_TYPES[self.json_type])
+
+
+def _f(name: str, type_: str, doc: str, error: bool = False) -> Field:
+    return Field(name, type_, doc, error)
+
+
+FIELDS: tuple[Field, ...] = (
+    _f("point", "str", "point id, e.g. `ddp-ber1e-5-tensor-fix-s1`", error=True),
+    _f("baseline", "str", "id of the clean point (BER 0, same mode/scope/checksum/seed) it is compared with",
+       error=True),
+    _f("experiment", "str", "experiment name", error=True),
+    _f("fingerprint", "str", "hash of everything but the grid (a re-run reuses a point only if it matches)",
+       error=True),
+    _f("mode", "str", "grid coordinate: `ddp` or `pp`", error=True),
+    _f("ber", "float", "grid coordinate: bit error rate of every link direction", error=True),
+    _f("scope", "str", "grid coordinate: what the engine corrupts (`payload`, `all`, `tensor`)", error=True),
+    _f("checksum", "str", "grid coordinate: `fix` (errored segments delivered) or `keep` (dropped, resent)",
+       error=True),
+    _f("seed", "int", "grid coordinate: training and corruption seed", error=True),
+    _f("model", "str", "GPT-2 preset (`tiny`, `small`, `gpt2-124m`)", error=True),
+    _f("steps", "int", "training steps requested", error=True),
+    _f("topology", "str?", "name of the topology the point trained on"),
+    _f("runtime", "str", "where hosts lived: `netns` or `docker`", error=True),
+    _f("world_size", "int?", "ranks (one per host)"),
+    _f("status", "str", "`ok`, `crashed`, `hung`, `diverged`, `invalid` (an engine died), `error` (set-up failed)",
+       error=True),
+    _f("reason", "str?", "why, when not ok", error=True),
+    _f("steps_completed", "int", "steps every rank finished", error=True),
+    _f("skipped_steps", "int?", "updates skipped for a non-finite loss or gradient"),
+    _f("final_loss", "float?", "last training loss"),
+    _f("final_eval_loss", "float?", "last evaluation loss (evaluated on clean links)"),
+    _f("loss_curve", "list", "[float/null]: training loss per step (index = step; null where non-finite)"),
+    _f("eval_curve", "list", "[[step, float]]: evaluation loss"),
+    _f("grad_norm_curve", "list", "[float/null]: gradient norm per step"),
+    _f("step_time_curve", "list", "[float]: step time per step (slowest rank), s"),
+    _f("median_step_time_s", "float?", "median step time (slowest rank), s"),
+    _f("median_comm_time_s", "float?", "median time per step spent in communication, s"),
+    _f("bits_seen", "int?", "engine counter over the run: bits eligible for corruption"),
+    _f("bits_flipped", "int?", "engine counter over the run: bits flipped"),
+    _f("realized_ber", "float?", "bits_flipped / bits_seen"),
+    _f("nonfinite_received_total", "int?", "values that arrived non-finite"),
+    _f("corrupted_values_total", "int?", "gradient elements that differed from the clean reference (DDP)"),
+    _f("deviation_curve", "list", "[[step, float]]: estimated L2 distance of the parameters from the baseline run "
+                                  "(DDP: rank 0's replica; PP: all stages together)"),
+    _f("final_deviation", "float?", "L2 distance from the baseline at the end (DDP: rank 0; PP: all stages)"),
+    _f("final_deviation_exact", "bool?", "final_deviation is exact (every rank saved its parameters: models under "
+                                         "50M parameters per rank, or `save_final`), else the last step's estimate"),
+    _f("replica_divergence_curve", "list", "[[step, float]]: DDP: max over ranks of the estimated L2 distance "
+                                           "from rank 0"),
+    _f("final_replica_divergence", "float?", "DDP: max over ranks of the L2 distance from rank 0 at the end"),
+    _f("n_params", "int", "model parameters (theory overlay)"),
+    _f("lr", "float?", "learning rate the run used"),
+    _f("grad_clip", "float?", "global-norm clipping the run used (0: none)"),
+    _f("batch_size", "int?", "sequences per step and rank (DDP) or per step (PP)"),
+    _f("seq_len", "int?", "tokens per sequence"),
+    _f("microbatches", "int?", "PP micro-batches per step"),
+    _f("collectives", "list?", "[str]: what `scope: tensor` corrupted (DDP: allreduce; PP: p2p); null otherwise"),
+    _f("machine", "dict", "`uname`, `cpus`, `hostname` of the machine that ran the point"),
+    _f("wall_time_s", "float?", "training wall time, s"),
+    _f("finished_at", "float", "when the point finished, seconds since the epoch", error=True),
+    _f("image_digest", "str?", "worker image digest (docker runtime)"),
+    _f("run_dir", "str", "the point's run directory, relative to the experiment directory", error=True),
+)
+
+FIELDS_BY_NAME = {f.name: f for f in FIELDS}
+ROW_FIELDS = tuple(f.name for f in FIELDS)
+ERROR_ROW_FIELDS = tuple(f.name for f in FIELDS if f.in_error_row)
+SUMMARY_COLUMNS = tuple(f.name for f in FIELDS if f.scalar)  # summary.csv, in this order
+
+
+def field_names(*names: str) -> tuple[str, ...]:
+    """`names`, each checked against the schema: a module names the fields it reads through this, so a renamed
+    or misspelt field fails when that module loads instead of reading None from every row."""
+    unknown = [n for n in names if n not in FIELDS_BY_NAME]
+    if unknown:
+        raise KeyError(f"not results.jsonl fields: {', '.join(unknown)}")
+    return names
+
+
+def new_row(**values) -> dict:
+    """The row of a trained point, in schema order. Every field must be given, and nothing else."""
+    return _build(ROW_FIELDS, values, "a results row")
+
+
+def error_row(**values) -> dict:
+    """The row of a point whose set-up failed (status `error`): the fields marked for it, nothing else."""
+    return _build(ERROR_ROW_FIELDS, values, "an error row")
+
+
+def _build(fields: tuple[str, ...], values: dict, what: str) -> dict:
+    missing = [f for f in fields if f not in values]
+    unknown = [k for k in values if k not in fields]
+    if missing or unknown:
+        raise ValueError(f"{what} needs exactly the schema's fields (testbed/experiments/results.py): "
+                         + "; ".join(p for p in (missing and f"missing {', '.join(missing)}",
+                                                 unknown and f"unknown {', '.join(unknown)}") if p))
+    return {f: values[f] for f in fields}
+
+
+def row_problems(row: dict) -> list[str]:
+    """What is wrong with a row against the schema (missing, unknown or mistyped fields); [] when nothing."""
+    shape = ERROR_ROW_FIELDS if row.get("status") == "error" and set(row) == set(ERROR_ROW_FIELDS) else ROW_FIELDS
+    problems = [f"missing field {f!r}" for f in shape if f not in row]
+    problems += [f"unknown field {k!r}" for k in row if k not in shape]
+    for k, v in row.items():
+        f = FIELDS_BY_NAME.get(k)
+        if f is not None and not f.accepts(v):
+            problems.append(f"{k}: expected {f.type}, got {v!r}")
+    if row.get("status") not in STATUSES:
+        problems.append(f"status: expected one of {', '.join(STATUSES)}, got {row.get('status')!r}")
+    return problems
+
+
+def validate_row(row: dict) -> dict:
+    """The row itself when it matches the schema, else ValueError naming the point and every problem."""
+    problems = row_problems(row)
+    if problems:
+        raise ValueError(f"results row {row.get('point')!r}: " + "; ".join(problems))
+    return row
+
+
+def markdown_table() -> str:
+    """The schema as the markdown table of docs/experiments.md."""
+    lines = ["| field | type | error row | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{f.name}` | {f.type.replace('?', '/null')} | {'yes' if f.in_error_row else ''} | {f.doc} |"
+              for f in FIELDS]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading rows: tolerant of missing and malformed values (older files, crashed runs, hand-edited rows).
+
+
+def finite(x) -> float | None:
+    """x as a float when it is a finite number, else None (null, NaN, Inf, strings)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def positive(x) -> float | None:
+    """x as a float when it is finite and > 0 (what a log axis can show), else None."""
+    v = finite(x)
+    return v if v is not None and v > 0 else None
+
+
+def ber_of(row: dict) -> float:
+    """The row's BER as a float (numeric strings accepted); 0 when absent."""
+    try:
+        ber = float(row.get("ber") or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return ber if math.isfinite(ber) else 0.0
+
+
+def is_ok(row: dict) -> bool:
+    return row.get("status") == "ok"
+
+
+def config_of(row: dict) -> tuple:
+    return tuple(row.get(f) for f in CONFIG_FIELDS)
+
+
+def mode_key(mode: str) -> tuple:
+    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), str(mode))
+
+
+def config_sort_key(config: tuple) -> tuple:
+    mode, scope, checksum = config
+    return (*mode_key(mode), str(scope), str(checksum))
+
+
+def configs(rows: list[dict]) -> list[tuple]:
+    """The configs present, in grid order (DDP before PP, then scope and checksum)."""
+    return sorted({config_of(r) for r in rows}, key=config_sort_key)
+
+
+def modes(rows: list[dict]) -> list[str]:
+    return sorted({r.get("mode") for r in rows}, key=mode_key)
+
+
+def grid_order(row: dict) -> tuple:
+    """Sort key of rows: mode, scope, checksum, BER, seed."""
+    return (*config_sort_key(config_of(row)), ber_of(row), str(row.get("seed")))
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")

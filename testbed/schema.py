@@ -1,0 +1,125 @@
+"""The topology file's schema (pydantic): which keys exist, their types, units and ranges.
+
+Cross-field rules (endpoints name known nodes, interfaces are used once, subnets do not overlap, ...) are
+checked when the file is resolved into a `testbed.topo.Topology`. The format follows containerlab
+(`name`, `topology.nodes`, `topology.links[].endpoints`); docs: README "Topology files".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from . import units
+
+TOPOLOGY_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,23}$")
+DEFAULT_DATA_POOL = ipaddress.IPv4Network("10.0.0.0/16")
+DEFAULT_MGMT_SUBNET = ipaddress.IPv4Network("10.255.0.0/16")
+DEFAULT_CONTROL_PORTS = (29500,)
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "reduce_scatter", "gather",
+               "scatter", "alltoall", "p2p")
+
+
+def _wrap(fn):
+    def v(x):
+        return None if x is None else fn(x)
+    return BeforeValidator(v)
+
+
+Rate = Annotated[int | None, _wrap(units.parse_rate)]
+Duration = Annotated[float | None, _wrap(units.parse_duration)]
+Fraction = Annotated[float | None, _wrap(units.parse_fraction)]
+Ber = Annotated[float | None, _wrap(lambda x: units.parse_probability(x, upper=0.5))]
+Size = Annotated[int | None, _wrap(units.parse_size)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ErrorModelSpec(_Strict):
+    """`bernoulli`, or `gilbert_elliott` with a mean burst length in bits (mean BER is the link's `ber`)."""
+
+    type: Literal["bernoulli", "gilbert_elliott"] = "bernoulli"
+    burst_length: float | None = Field(default=None, ge=1.0)
+    # None: the engine's defaults (bad 0.5, good 0); the engine's own check decides what combinations are valid
+    bad_ber: Annotated[float | None, _wrap(lambda x: units.parse_probability(x, upper=1.0))] = None
+    good_ber: Annotated[float | None, _wrap(lambda x: units.parse_probability(x, upper=0.5))] = None
+
+
+def _error_model(value: Any) -> Any:
+    if isinstance(value, str):
+        return {"type": value}
+    return value
+
+
+class ImpairmentSpec(_Strict):
+    rate: Rate = None
+    delay: Duration = None
+    jitter: Duration = None
+    loss: Fraction = None
+    ber: Ber = None
+    error_model: Annotated[ErrorModelSpec | None, BeforeValidator(_error_model)] = None
+    scope: Literal["payload", "all", "tensor"] | None = None
+    checksum: Literal["fix", "keep"] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    collectives: list[Literal[COLLECTIVES]] | None = None  # type: ignore[valid-type]
+
+
+class OffloadSpec(_Strict):
+    tso: bool | None = None
+    gso: bool | None = None
+    gro: bool | None = None
+    tx_checksum: bool | None = None
+    rx_checksum: bool | None = None
+    sg: bool | None = None
+
+
+class LinkModel(ImpairmentSpec):
+    endpoints: list[str] = Field(min_length=2, max_length=2)
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
+    mtu: int = Field(default=1500, ge=68, le=65535)
+    subnet: ipaddress.IPv4Network | None = None
+    offloads: OffloadSpec | None = None
+    directions: dict[str, ImpairmentSpec] | None = None
+
+
+class NodeModel(_Strict):
+    kind: Literal["host", "switch"] = "host"
+    image: str | None = None
+    cpus: float | None = Field(default=None, gt=0, le=1024)
+    memory: Size = None
+    addresses: dict[str, ipaddress.IPv4Interface] | None = None
+    subnet: ipaddress.IPv4Network | None = None
+    env: dict[str, str] | None = None
+
+
+class TopologyBody(_Strict):
+    nodes: dict[str, NodeModel] = Field(min_length=1)
+    links: list[LinkModel] = Field(default_factory=list)
+
+
+class MgmtModel(_Strict):
+    subnet: ipaddress.IPv4Network = DEFAULT_MGMT_SUBNET
+
+
+class TopologyFile(_Strict):
+    name: str
+    description: str | None = None
+    runtime: Literal["netns", "docker"] = "netns"
+    seed: int = Field(default=0, ge=0, lt=2**62)
+    control_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=lambda: list(DEFAULT_CONTROL_PORTS))
+    mgmt: MgmtModel = Field(default_factory=MgmtModel)
+    data_subnet: ipaddress.IPv4Network = DEFAULT_DATA_POOL
+    topology: TopologyBody
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOPOLOGY_NAME_RE.match(v):
+            raise ValueError("must be 1-24 characters of a-z, 0-9, '_' or '-', starting with a letter or digit")
+        return v
+
