@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from testbed.experiments.training import blame_the_wire
 from testbed.train import common
 from testbed.train.data import get_batch, get_eval_batch, prepare, strip_gutenberg
 from testbed.train.fingerprint import bit_identical, decode_sample, replica_divergence, run_distance
 from testbed.train.launch import local_spawn, loopback_env, run_workers
-from testbed.train.model import GPT2_124M_PARAMS, PRESETS, build_model, count_params, layer_split, split_stages
+from testbed.train.model import GPT2_124M_PARAMS, PRESETS, build_model, count_params
+from testbed.train.stages import layer_split, split_stages
+from testbed.train.worker import classify
 
 pytestmark = pytest.mark.timeout(240)  # a hung run must fail the test, not stall the suite
 
@@ -189,6 +192,85 @@ def test_strip_gutenberg_boilerplate():
             "ACT I.\nTo be.\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\nmore license\n")
     assert strip_gutenberg(text) == "ACT I.\nTo be.\n"
     assert strip_gutenberg("plain text\n") == "plain text\n"
+
+
+# ---- failure taxonomy (no workers) ---------------------------------------------------------------------
+
+
+def raised_through(exc, *paths):
+    """`exc` raised by a function of file paths[-1], called by one of paths[-2], ..., of paths[0]."""
+    ns = {"exc": exc}
+    for i, path in enumerate(paths):
+        body = "raise exc" if i == len(paths) - 1 else f"f{i + 1}()"
+        exec(compile(f"def f{i}():\n    {body}\n", path, "exec"), ns)
+    try:
+        ns["f0"]()
+    except Exception as e:
+        return e
+
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+DDP_LAYER, PIPE_LAYER, C10D_LAYER = ("DDP (torch.nn.parallel)", "pipelining (torch.distributed.pipelining)",
+                                     "the collective layer (torch.distributed)")
+
+
+def test_exceptions_inside_torch_distributed_layers_while_training_are_crashes():
+    # what payload-scope corruption of DDP's rebuilt bucket layout raised
+    ddp = raised_through(RuntimeError("Buckets with more than one variable cannot include variables that expect "
+                                      "a sparse gradient."), "/work/testbed/train/ddp.py",
+                         f"{TORCH}/nn/modules/module.py", f"{TORCH}/nn/parallel/distributed.py")
+    assert classify(ddp, "training") == (common.EXIT_WIRE_LAYER, "crashed", DDP_LAYER)
+    # torch's generic code called by a layer is that layer's
+    pipe = raised_through(ValueError("bad split"), f"{TORCH}/distributed/pipelining/stage.py", f"{TORCH}/functional.py")
+    assert classify(pipe, "training") == (common.EXIT_WIRE_LAYER, "crashed", PIPE_LAYER)
+    c10d = raised_through(ValueError("bad tensor"), f"{TORCH}/distributed/distributed_c10d.py")
+    assert classify(c10d, "training")[1:] == ("crashed", C10D_LAYER)
+    # a C++ assertion in DDP's reducer, raised during backward (no Python frame of DDP)
+    assertion = RuntimeError('variable_index < params_.size() INTERNAL ASSERT FAILED at "/__w/pytorch/pytorch/torch/'
+                             'csrc/distributed/c10d/reducer.cpp":1163, please report a bug to PyTorch.')
+    assert classify(raised_through(assertion, f"{TORCH}/autograd/graph.py"), "training")[2] == DDP_LAYER
+    try:  # chained: our code re-raising a DDP failure
+        raise RuntimeError("step failed") from ddp
+    except RuntimeError as e:
+        assert classify(e, "training")[1] == "crashed"
+    # the model's own exception inside DDP's forward is not DDP's; nor is one of this package's
+    model_bug = raised_through(ValueError("shapes"), f"{TORCH}/nn/parallel/distributed.py",
+                               "/venv/lib/python3.11/site-packages/transformers/models/gpt2/modeling_gpt2.py",
+                               f"{TORCH}/nn/modules/linear.py")
+    assert classify(model_bug, "training") == (common.EXIT_ERROR, "error", None)
+    assert classify(ValueError("a bug"), "training") == (common.EXIT_ERROR, "error", None)
+    # outside training (preparing data, connecting): error
+    assert classify(ddp, "data") == (common.EXIT_ERROR, "error", None)
+    assert classify(ddp, "connecting") == (common.EXIT_ERROR, "error", None)
+    # timeouts and communication failures, wherever they happen but in data preparation
+    assert classify(RuntimeError("Timed out waiting 30000ms for recv"), "connecting")[1] == "hung"
+    assert classify(RuntimeError("Connection closed by peer"), "training")[1] == "crashed"
+    assert classify(RuntimeError("Timed out"), "data")[1] == "error"  # the corpus, not the network
+
+
+def failed_summary(status="error", step=3, rank=1):
+    worker_status = {"0": {"state": "done", "status": "crashed", "reason": "crashed at step 3: connection closed",
+                           "step": 3},
+                     str(rank): {"state": "done", "status": status, "reason": f"{status} at step {step}: boom",
+                                 "step": step}}
+    return {"status": status, "reason": f"rank {rank} exited 1: {status} at step {step}: boom",
+            "worker_status": worker_status}
+
+
+def test_an_error_after_bits_flipped_is_the_wire():
+    s = failed_summary()
+    blame_the_wire(s, flipped=12_345)
+    assert s["status"] == "crashed" and s["status_workers"] == "error"
+    assert s["reason"] == "wire: 12,345 bits flipped before rank 1 failed at step 3: rank 1 exited 1: error at step 3: boom"
+    s = failed_summary()
+    blame_the_wire(s, flipped=0)  # nothing flipped: the wire cannot explain it
+    assert s["status"] == "error" and "status_workers" not in s
+    s = failed_summary(step=None)
+    blame_the_wire(s, flipped=100)  # set-up failure: no training traffic yet
+    assert s["status"] == "error"
+    s = failed_summary(status="hung")
+    blame_the_wire(s, flipped=100)
+    assert s["status"] == "hung"
 
 
 # ---- distributed runs ---------------------------------------------------------------------------------

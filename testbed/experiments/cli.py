@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .training import PG_TIMEOUT_S, RUN_TIMEOUT_S, STALL_TIMEOUT_S
+from ..train import settings
 
 
 def _ber(text: str) -> float:
@@ -20,19 +20,18 @@ def _ber(text: str) -> float:
 
 def cmd_train(args) -> int:
     from ..topo import Topology
-    from .training import TrainConfig, summary_line, train
+    from .training import summary_line, train
 
-    cfg = TrainConfig(mode=args.mode, model=args.model, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
-                      seq_len=args.seq_len, lr=args.lr, grad_clip=args.grad_clip, eval_every=args.eval_every,
-                      schedule=args.schedule, microbatches=args.microbatches, timeout=args.timeout,
-                      reference=args.reference, data=args.data, hosts=args.hosts, nonfinite=args.nonfinite,
-                      stall_timeout=args.stall_timeout, run_timeout=args.run_timeout)
+    try:
+        cfg = settings.from_args(args)
+    except ValueError as e:
+        print(f"testbed train: {e}", file=sys.stderr)
+        return 2
     if os.path.exists(args.topology):
         target = Topology.load(args.topology, name=args.name)
     else:
         target = args.topology  # the name of a topology that is up
-    s = train(target, cfg, args.out, ber=args.ber, scope=args.scope, checksum=args.checksum,
-              collectives=args.collectives.split(",") if args.collectives else None, runtime=args.runtime,
+    s = train(target, cfg, args.out, ber=args.ber, scope=args.scope, checksum=args.checksum, runtime=args.runtime,
               log=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(s, indent=2, default=str))
@@ -97,35 +96,12 @@ def register(sub) -> None:
                                    "that is up. Writes metrics.jsonl and summary.json (status ok, crashed, hung, "
                                    "diverged, invalid or error) to --out. Exit 0 only when the status is ok.")
     s.add_argument("topology", metavar="TOPOLOGY")
-    s.add_argument("--mode", choices=["ddp", "pp"], required=True)
-    s.add_argument("--model", choices=["tiny", "small", "gpt2-124m"], default="tiny")
-    s.add_argument("--steps", type=int, required=True)
-    s.add_argument("--out", required=True, metavar="DIR")
+    s.add_argument("--out", required=True, metavar="DIR", help="run directory (metrics.jsonl, summary.json)")
     s.add_argument("--ber", type=_ber, help="override every link's bit error rate (both directions)")
     s.add_argument("--scope", choices=["payload", "all", "tensor"], help="override every link's scope")
     s.add_argument("--checksum", choices=["fix", "keep"], help="override every link's checksum mode")
-    s.add_argument("--collectives", help="tensor scope: only these, comma-separated (e.g. allreduce,p2p)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--batch-size", type=int)
-    s.add_argument("--seq-len", type=int)
-    s.add_argument("--lr", type=float)
-    s.add_argument("--grad-clip", type=float, help="global-norm clipping (0 disables; worker default 1.0)")
-    s.add_argument("--eval-every", type=int)
-    s.add_argument("--schedule", choices=["gpipe", "1f1b"])
-    s.add_argument("--microbatches", type=int)
-    s.add_argument("--timeout", type=float, default=PG_TIMEOUT_S,
-                   help=f"process-group timeout in s (default {PG_TIMEOUT_S:g})")
-    s.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
-                   help=f"hung if no progress for this long, in s (default {STALL_TIMEOUT_S:g})")
-    s.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S,
-                   help=f"hung if the run takes longer, in s (default {RUN_TIMEOUT_S:g})")
-    s.add_argument("--nonfinite", choices=["skip", "stop"],
-                   help="a step with a non-finite loss/gradient: skip its update everywhere (default) or stop")
-    s.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
-                   help="DDP: compare each allreduce with a clean one over the management network")
-    s.add_argument("--data", help="train on this UTF-8 text file instead of the Shakespeare corpus")
-    s.add_argument("--hosts", type=int, help="use only the first N hosts")
     s.add_argument("--runtime", choices=["netns", "docker"])
     s.add_argument("--name", help="topology name to bring the file up under")
     s.add_argument("--json", action="store_true", help="print the whole summary as JSON")
+    settings.add_arguments(s.add_argument_group("training settings (testbed/train/settings.py)"))
     s.set_defaults(fn=cmd_train)

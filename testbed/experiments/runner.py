@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 
 from ..fileio import read_jsonl, write_atomic, write_json_atomic
+from ..train.model import PRESETS
+from ..train.settings import TrainSettings, default_of
+from .results import error_row, new_row
 from .spec import Experiment, Point
-from .training import (DEFAULT_COLLECTIVES, PG_TIMEOUT_S, STALL_TIMEOUT_S, TrainConfig, summary_line,
-                       train)
+from .training import DEFAULT_COLLECTIVES, summary_line, train
 
 
 class ResultsStore:
@@ -62,15 +64,15 @@ def _finite(x):
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def train_config(exp: Experiment, point: Point) -> TrainConfig:
-    t = exp.spec.train
-    return TrainConfig(mode=point.mode, model=exp.spec.model, steps=exp.spec.steps, seed=point.seed,
-                       batch_size=t.batch_size, seq_len=t.seq_len, lr=t.lr, grad_clip=t.grad_clip,
-                       eval_every=t.eval_every, eval_batches=t.eval_batches, schedule=t.schedule,
-                       microbatches=t.microbatches, timeout=t.timeout or PG_TIMEOUT_S, reference=t.reference,
-                       data=t.data, threads=t.threads, fingerprint_every=t.fingerprint_every,
-                       save_final=t.save_final, nonfinite=t.nonfinite,
-                       stall_timeout=t.stall_timeout or STALL_TIMEOUT_S, run_timeout=exp.spec.point_timeout)
+def train_config(exp: Experiment, point: Point) -> TrainSettings:
+    """The point's settings: the experiment's `train:` (every setting, defaults filled in), the model and steps
+    at the top, mode and seed from the grid, point_timeout as the run's limit. Collectives only matter under
+    scope tensor."""
+    t = exp.spec.train.model_dump()
+    if point.scope != "tensor":
+        t["collectives"] = None
+    return TrainSettings(mode=point.mode, model=exp.spec.model, steps=exp.spec.steps, seed=point.seed,
+                         run_timeout=exp.spec.point_timeout, **t)
 
 
 def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, baseline_dir: Path | None) -> dict:
@@ -85,34 +87,35 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         by_step.setdefault(m["step"], []).append(m)
     steps = sorted(by_step)
     rank0 = {s: next((m for m in by_step[s] if m["rank"] == 0), by_step[s][0]) for s in steps}
-    row = {
-        "point": point.id, "baseline": point.baseline.id, "experiment": exp.spec.name,
-        **point.params(), "model": exp.spec.model, "steps": exp.spec.steps,
-        "topology": summary.get("topology"), "runtime": summary.get("runtime"),
-        "world_size": summary.get("world_size"), "status": summary.get("status"), "reason": summary.get("reason"),
-        "steps_completed": summary.get("steps_completed", 0), "skipped_steps": summary.get("skipped_steps", 0),
-        "final_loss": _finite(summary.get("final_loss")), "final_eval_loss": _finite(summary.get("final_eval_loss")),
-        "loss_curve": [_finite(rank0[s].get("loss")) for s in steps],
-        "eval_curve": [[s, _finite(rank0[s]["eval_loss"])] for s in steps if rank0[s].get("eval_loss") is not None],
-        "grad_norm_curve": [_finite(rank0[s].get("grad_norm")) for s in steps],
-        "step_time_curve": [max(m.get("step_time_s") or 0.0 for m in by_step[s]) for s in steps],
-        "median_step_time_s": summary.get("median_step_time_s"), "median_comm_time_s": summary.get("median_comm_time_s"),
-        "bits_seen": summary.get("bits_seen"), "bits_flipped": summary.get("bits_flipped"),
-        "realized_ber": summary.get("realized_ber"),
-        "nonfinite_received_total": summary.get("nonfinite_received_total"),
-        "corrupted_values_total": summary.get("corrupted_values_total"),
-        "collectives": (exp.spec.train.collectives or DEFAULT_COLLECTIVES[point.mode]) if point.scope == "tensor"
+    # every field of the results schema (testbed/experiments/results.py), in its order; run_point adds the
+    # fingerprint, the deviation and divergence fields are filled in below
+    row = new_row(
+        point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, fingerprint=None,
+        **point.params(), model=exp.spec.model, steps=exp.spec.steps,
+        topology=summary.get("topology"), runtime=summary.get("runtime"), world_size=summary.get("world_size"),
+        status=summary.get("status"), reason=summary.get("reason"),
+        steps_completed=summary.get("steps_completed", 0), skipped_steps=summary.get("skipped_steps", 0),
+        final_loss=_finite(summary.get("final_loss")), final_eval_loss=_finite(summary.get("final_eval_loss")),
+        loss_curve=[_finite(rank0[s].get("loss")) for s in steps],
+        eval_curve=[[s, _finite(rank0[s]["eval_loss"])] for s in steps if rank0[s].get("eval_loss") is not None],
+        grad_norm_curve=[_finite(rank0[s].get("grad_norm")) for s in steps],
+        step_time_curve=[max(m.get("step_time_s") or 0.0 for m in by_step[s]) for s in steps],
+        median_step_time_s=summary.get("median_step_time_s"), median_comm_time_s=summary.get("median_comm_time_s"),
+        bits_seen=summary.get("bits_seen"), bits_flipped=summary.get("bits_flipped"),
+        realized_ber=summary.get("realized_ber"),
+        nonfinite_received_total=summary.get("nonfinite_received_total"),
+        corrupted_values_total=summary.get("corrupted_values_total"),
+        deviation_curve=[], final_deviation=None, final_deviation_exact=None,
+        replica_divergence_curve=[], final_replica_divergence=None,
+        n_params=param_count(exp.spec.model), lr=cfg_field(summary, "lr"), grad_clip=cfg_field(summary, "grad_clip"),
+        batch_size=cfg_field(summary, "batch_size"), seq_len=cfg_field(summary, "seq_len"),
+        microbatches=cfg_field(summary, "microbatches"),
+        collectives=(exp.spec.train.collectives or DEFAULT_COLLECTIVES[point.mode]) if point.scope == "tensor"
         else None,
-        "batch_size": cfg_field(summary, "batch_size"), "seq_len": cfg_field(summary, "seq_len"),
-        "microbatches": cfg_field(summary, "microbatches"),
-        "machine": {"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
-        "n_params": param_count(exp.spec.model), "lr": cfg_field(summary, "lr"),
-        "grad_clip": cfg_field(summary, "grad_clip"),
-        "deviation_curve": [], "final_deviation": None, "final_deviation_exact": None,
-        "replica_divergence_curve": [], "final_replica_divergence": None, "wall_time_s": summary.get("wall_time_s"),
-        "finished_at": time.time(), "image_digest": summary.get("image_digest"),
-        "run_dir": str(run_dir.relative_to(run_dir.parent.parent)),
-    }
+        machine={"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
+        wall_time_s=summary.get("wall_time_s"), finished_at=time.time(), image_digest=summary.get("image_digest"),
+        run_dir=str(run_dir.relative_to(run_dir.parent.parent)),
+    )
     if baseline_dir is not None and baseline_dir != run_dir and (baseline_dir / "metrics.jsonl").exists():
         d = run_distance(baseline_dir, run_dir)
         per: dict[int, float] = {}
@@ -149,17 +152,14 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
 
 
 def cfg_field(summary: dict, key: str):
-    """A worker setting as the run used it (explicit in the experiment, else the worker's default)."""
-    v = (summary.get("config") or {}).get(key)
-    if v is None and key in ("batch_size", "seq_len", "microbatches", "lr", "grad_clip"):
-        from ..train.worker import build_parser
-        defaults = build_parser().parse_args(["--mode", summary.get("mode") or "ddp", "--steps", "1", "--out", "."])
-        v = getattr(defaults, key)
-        if key == "seq_len" and v is None:
-            from ..train.model import PRESETS
-            v = PRESETS[summary.get("model") or "tiny"][3]
-        if key == "microbatches" and v is None and summary.get("mode") == "pp":
-            v = summary.get("world_size")
+    """A setting as the run used it: the run's config (every setting; the default for one it lacks), with the
+    defaults decided at run time resolved (seq_len: the model's context; microbatches: PP's world size)."""
+    config = summary.get("config") or {}
+    v = config[key] if key in config else default_of(key)
+    if key == "seq_len" and v is None:
+        v = PRESETS[summary.get("model") or default_of("model")].n_positions
+    if key == "microbatches" and v is None and summary.get("mode") == "pp":
+        v = summary.get("world_size")
     return v
 
 
@@ -204,18 +204,16 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
     run_dir = out / "points" / point.id
     if run_dir.exists():
         shutil.rmtree(run_dir)  # an interrupted attempt: start the point afresh
-    collectives = exp.spec.train.collectives if point.scope == "tensor" else None
-    try:
+    try:  # the collectives a tensor-scope point corrupts come with its config (train_config)
         summary = train(exp.topology(point.mode), train_config(exp, point), run_dir, ber=point.ber,
-                        scope=point.scope, checksum=point.checksum, collectives=collectives, runtime=runtime,
-                        name=name, log=lambda m: None)
+                        scope=point.scope, checksum=point.checksum, runtime=runtime, name=name, log=lambda m: None)
     except KeyboardInterrupt:
         raise
     except Exception as e:
-        return {"point": point.id, "baseline": point.baseline.id, "experiment": exp.spec.name, "fingerprint": fp,
-                **point.params(), "model": exp.spec.model, "steps": exp.spec.steps, "runtime": runtime or "netns",
-                "status": "error", "reason": f"{type(e).__name__}: {e}", "steps_completed": 0,
-                "finished_at": time.time(), "run_dir": f"points/{point.id}"}
+        return error_row(point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, fingerprint=fp,
+                         **point.params(), model=exp.spec.model, steps=exp.spec.steps, runtime=runtime or "netns",
+                         status="error", reason=f"{type(e).__name__}: {e}", steps_completed=0,
+                         finished_at=time.time(), run_dir=f"points/{point.id}")
     base = out / "points" / point.baseline.id
     row = point_row(exp, point, summary, run_dir, base if base.exists() else None)
     row["fingerprint"] = fp

@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from .. import units
-from ..topo import Topology, TopologyError, _pydantic_problems
+from ..topo import Topology, TopologyError
+from ..train import settings
+from ..train.model import PRESETS
+from ..yamlfile import read_yaml
 
 Ber = Annotated[float, BeforeValidator(lambda x: units.parse_probability(x, upper=0.5))]
 
@@ -41,25 +44,23 @@ class GridSpec(_Strict):
     seed: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [1], min_length=1)
 
 
-class TrainSpec(_Strict):
-    batch_size: int | None = Field(default=None, ge=1)
-    seq_len: int | None = Field(default=None, ge=2)
-    lr: float | None = Field(default=None, gt=0)
-    grad_clip: float | None = Field(default=None, ge=0)
-    eval_every: int | None = Field(default=None, ge=1)
-    eval_batches: int | None = Field(default=None, ge=1)
-    microbatches: int | None = Field(default=None, ge=1)
-    schedule: Literal["gpipe", "1f1b"] | None = None
-    timeout: float | None = Field(default=None, gt=0, description="process-group timeout (s)")
-    stall_timeout: float | None = Field(default=None, gt=0)
-    collectives: list[str] | None = None
-    reference: bool | None = None
-    data: str | None = None
-    threads: int | None = Field(default=None, ge=1, description="torch threads per worker")
-    fingerprint_every: int | None = Field(default=None, ge=0, description="sha256 of the parameters every K steps")
-    save_final: bool | None = Field(default=None, description="save final parameters (exact deviation); "
-                                                               "default: models under 50M parameters per rank")
-    nonfinite: Literal["skip", "stop"] | None = None
+def train_spec() -> type[BaseModel]:
+    """The `train:` section, derived from the training settings (testbed/train/settings.py): every setting an
+    experiment file may set, with the same type, default, choices and range, so errors name the field."""
+    fields = {}
+    for s in settings.described():
+        if not s.file:
+            continue
+        tp = Literal[s.choices] if s.choices else list[str] if s.kind is list else s.kind
+        if s.optional:
+            tp = tp | None
+        fields[s.name] = (tp, Field(default=... if s.required else s.default, ge=s.ge, gt=s.gt, le=s.le,
+                                    description=s.help))
+    return create_model("TrainSpec", __base__=_Strict, **fields)
+
+
+TrainSpec = train_spec()
+ModelName = Literal[tuple(PRESETS)]
 
 
 class LatencySpec(_Strict):
@@ -73,7 +74,7 @@ class LatencySpec(_Strict):
 class ExperimentFile(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,15}$")
     description: str | None = None
-    model: Literal["tiny", "small", "gpt2-124m"] = "tiny"
+    model: ModelName = settings.default_of("model")
     steps: int = Field(ge=1)
     runtime: Literal["netns", "docker"] | None = None
     topologies: dict[Literal["ddp", "pp"], str]
@@ -121,18 +122,14 @@ class Experiment:
 
     @classmethod
     def load(cls, path: str | Path) -> "Experiment":
-        path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except OSError as e:
-            raise TopologyError(path, [("", f"cannot read file: {e.strerror or e}")]) from None
-        except yaml.YAMLError as e:
-            raise TopologyError(path, [("", f"not valid YAML: {e}")]) from None
-        try:
-            spec = ExperimentFile.model_validate(raw)
-        except ValidationError as e:
-            raise TopologyError(path, _pydantic_problems(e)) from None
-        exp = cls(spec=spec, file=str(path.resolve()), base_dir=path.resolve().parent)
+        """Parse and check an experiment file and every topology file it names; InputError (exit code 2 from
+        `testbed run`) naming the file, line, field and problem, before anything is built."""
+        doc = read_yaml(path)
+        if not isinstance(doc.data, dict):
+            raise doc.error([("", "the file must hold a mapping with 'name', 'steps', 'topologies' and 'grid'")])
+        spec = doc.validate(ExperimentFile)
+        path = Path(path).resolve()
+        exp = cls(spec=spec, file=str(path), base_dir=path.parent)
         problems = []
         for mode in spec.grid.mode:
             if mode not in spec.topologies:
@@ -142,8 +139,18 @@ class Experiment:
                 exp.topology(mode)
             except TopologyError as e:
                 problems.append((f"topologies.{mode}", str(e)))
+        if spec.latency is not None:
+            # checked now, not after the training points (which may take hours)
+            try:
+                topo = Topology.load(exp.resolve(spec.latency.topology))
+                if spec.latency.link is not None:
+                    topo.link(spec.latency.link)
+            except TopologyError as e:
+                problems.append(("latency.topology", str(e)))
+            except KeyError as e:
+                problems.append(("latency.link", e.args[0]))
         if problems:
-            raise TopologyError(path, problems)
+            raise doc.error(problems)
         return exp
 
     def resolve(self, p: str) -> Path:

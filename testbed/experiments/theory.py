@@ -24,19 +24,11 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.special import bdtrc, ndtri
 
+from ..train.model import GPT2_124M_PARAMS, PRESETS
+
 # ---------------------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------------------
-
-# name -> (n_layer, n_embd, n_positions, vocab_size); mirrors testbed/train/model.py PRESETS (kept import-free:
-# importing transformers would take seconds)
-GPT2_SHAPES = {
-    "gpt2-124m": (12, 768, 1024, 50257),
-    "small": (4, 128, 128, 2048),
-    "tiny": (4, 64, 64, 512),
-}
-GPT2_124M_PARAMS = 124_439_808
-
 
 def gpt2_param_count(n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> int:
     """Parameters of a GPT-2 with tied embeddings: token + position embeddings, n_layer blocks, final LayerNorm.
@@ -51,9 +43,10 @@ def gpt2_param_count(n_layer: int, n_embd: int, n_positions: int, vocab_size: in
 def param_count(model: str | int) -> int:
     """A preset name ("gpt2-124m", "small", "tiny") or a parameter count -> parameter count."""
     if isinstance(model, str):
-        if model not in GPT2_SHAPES:
-            raise ValueError(f"unknown model {model!r}: use one of {sorted(GPT2_SHAPES)} or a parameter count")
-        return gpt2_param_count(*GPT2_SHAPES[model])
+        if model not in PRESETS:  # model.py's table: it imports neither torch nor transformers
+            raise ValueError(f"unknown model {model!r}: use one of {sorted(PRESETS)} or a parameter count")
+        p = PRESETS[model]
+        return gpt2_param_count(p.n_layer, p.n_embd, p.n_positions, p.vocab_size)
     if int(model) <= 0:
         raise ValueError(f"parameter count must be positive, got {model!r}")
     return int(model)

@@ -1,7 +1,7 @@
 """Train GPT-2 across a testbed: the glue between a topology (hosts, links, engines) and the workloads
 (testbed/train), which know nothing of either.
 
-    summary = train(Topology.load("topologies/pair.yaml"), TrainConfig(mode="ddp", model="tiny", steps=20),
+    summary = train(Topology.load("topologies/pair.yaml"), TrainSettings(mode="ddp", model="tiny", steps=20),
                     out="runs/x", ber=1e-4, scope="tensor")
 
 One worker per host: DDP uses every host; PP puts stage i on the i-th host of the topology (chain4 lists them
@@ -17,80 +17,33 @@ import shutil
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..net import MGMT_IFNAME, Testbed
 from ..state import write_json_atomic
 from ..topo import Topology
+from ..train.model import PRESETS
+from ..train.settings import TrainSettings
 
 
-# Defaults of a training run on the testbed (the CLI and experiment files take them from here).
-PG_TIMEOUT_S = 30.0  # process-group timeout: a corrupted frame must not hang a run for long
-STALL_TIMEOUT_S = 120.0  # no new metrics for this long: hung
-RUN_TIMEOUT_S = 3600.0
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    mode: str  # ddp | pp
-    model: str = "tiny"
-    steps: int = 20
-    seed: int = 0
-    batch_size: int | None = None
-    seq_len: int | None = None
-    lr: float | None = None
-    grad_clip: float | None = None
-    eval_every: int | None = None
-    eval_batches: int | None = None
-    schedule: str | None = None
-    microbatches: int | None = None
-    timeout: float | None = PG_TIMEOUT_S
-    reference: bool | None = None
-    data: str | None = None
-    threads: int | None = None
-    fingerprint_every: int | None = None
-    save_final: bool | None = None
-    nonfinite: str | None = None  # skip | stop
-    hosts: int | None = None  # use only the first N hosts
-    stall_timeout: float = STALL_TIMEOUT_S
-    run_timeout: float = RUN_TIMEOUT_S
-
-    def worker_argv(self) -> list[str]:
-        argv = ["--mode", self.mode, "--model", self.model, "--steps", str(self.steps), "--seed", str(self.seed)]
-        for f in ("batch_size", "seq_len", "lr", "grad_clip", "eval_every", "eval_batches", "schedule",
-                  "microbatches", "timeout", "data", "threads", "fingerprint_every", "nonfinite"):
-            v = getattr(self, f)
-            if v is not None:
-                argv += [f"--{f.replace('_', '-')}", str(v)]
-        for f in ("reference", "save_final"):
-            v = getattr(self, f)
-            if v is not None:
-                argv.append(f"--{'' if v else 'no-'}{f.replace('_', '-')}")
-        return argv
-
-
-def worker_hosts(topo: Topology, cfg: TrainConfig) -> list[str]:
+def worker_hosts(topo: Topology, cfg: TrainSettings) -> list[str]:
     hosts = topo.hosts[: cfg.hosts] if cfg.hosts else topo.hosts
     if len(hosts) < 2:
         raise ValueError(f"topology {topo.name} has {len(hosts)} host(s); training needs at least 2")
     return hosts
 
 
-def prepare_data(cfg: TrainConfig, log=print) -> None:
+def prepare_data(cfg: TrainSettings, log=print) -> None:
     """Download/tokenize once on this machine: hosts have no route to the package index, and they share the
     cache (the netns hosts see this file system; containers mount the cache)."""
     from ..train.data import prepare
-    from ..train.model import PRESETS
 
-    prepare(PRESETS[cfg.model][4], cfg.data, log=log)
-
-
-def _engine_totals(tb: Testbed) -> dict[str, dict]:
-    return {f"{s['link']}/{s['direction']}": s for s in tb.stats()}
+    prepare(PRESETS[cfg.model].vocab_size, cfg.data, log=log)
 
 
-def train_on(tb: Testbed, cfg: TrainConfig, out: str | Path, log=print) -> dict:
+def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dict:
     """Run the workers on a topology that is up; return the summary (also written to out/summary.json)."""
     from ..train.launch import run_workers
 
@@ -123,26 +76,16 @@ def train_on(tb: Testbed, cfg: TrainConfig, out: str | Path, log=print) -> dict:
             return tb.popen(hosts[rank], argv, {k: env[k] for k in passed if k in env},
                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
 
-    before = _engine_totals(tb)
+    before = tb.counters()
     started = time.time()
     log(f"training {cfg.mode} {cfg.model} on {topo.name} ({tb.runtime_name}): {len(hosts)} ranks on "
         f"{', '.join(hosts)}, {cfg.steps} steps")
     summary = run_workers(spawn, len(hosts), cfg.worker_argv(), run_dir, env_for_rank,
                           timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
-    after = _engine_totals(tb)
-    engines = []
-    for key, s in after.items():
-        b = before.get(key, {})
-        engines.append({
-            "link": s.get("link"), "direction": s.get("direction"), "alive": s.get("alive", True),
-            "ber": s.get("ber"), "scope": s.get("scope"), "checksum": s.get("checksum"),
-            "bits_seen": (s.get("bits_seen") or 0) - (b.get("bits_seen") or 0),
-            "bits_flipped": (s.get("bits_flipped") or 0) - (b.get("bits_flipped") or 0),
-            "packets_modified": (s.get("packets_modified") or 0) - (b.get("packets_modified") or 0),
-            "flows_desynced": (s.get("flows_desynced") or 0) - (b.get("flows_desynced") or 0),
-        })
+    engines = list(tb.counters_since(before).values())
     seen = sum(e["bits_seen"] for e in engines)
     flipped = sum(e["bits_flipped"] for e in engines)
+    blame_the_wire(summary, flipped)
     summary.update({
         "topology": topo.name, "topology_file": topo.file, "runtime": tb.runtime_name, "hosts": hosts,
         "ber": sorted({e["ber"] for e in engines if e["ber"] is not None}) or [0.0],
@@ -156,7 +99,7 @@ def train_on(tb: Testbed, cfg: TrainConfig, out: str | Path, log=print) -> dict:
     dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
     if dead:
         # Fail closed: a dead engine dropped its link's traffic; the run cannot claim it saw corruption.
-        summary["status_workers"] = summary["status"]
+        summary.setdefault("status_workers", summary["status"])
         summary["status"] = "invalid"
         summary["reason"] = f"corruption engine died on {', '.join(dead)}; " + (summary.get("reason") or "")
     if run_dir != out:
@@ -169,6 +112,24 @@ def train_on(tb: Testbed, cfg: TrainConfig, out: str | Path, log=print) -> dict:
         summary["run_dir"] = str(out)
     write_json_atomic(out / "summary.json", summary)
     return summary
+
+
+def blame_the_wire(summary: dict, flipped: int) -> None:
+    """The failure taxonomy (docs/training.md): a worker that fails after corrupted bytes reached it failed
+    because of the wire. A run that ends in `error` once training started becomes `crashed` when the engines
+    flipped bits during the run; the workers are stopped within seconds of the first failure, so the flips
+    came before it. With no flips, or a failure in set-up, it stays `error`: the wire cannot explain it."""
+    if summary["status"] != "error" or flipped <= 0:
+        return
+    failed = [(int(r), w) for r, w in sorted(summary.get("worker_status", {}).items())
+              if w.get("status") == "error" and w.get("step") is not None]
+    if not failed:
+        return
+    rank, w = failed[0]
+    summary["status_workers"] = summary["status"]
+    summary["status"] = "crashed"
+    summary["reason"] = (f"wire: {flipped:,} bits flipped before rank {rank} failed at step {w['step']}: "
+                         f"{summary.get('reason') or w.get('reason')}")
 
 
 def _check_chain(topo: Topology, hosts: list[str], log) -> None:
@@ -186,11 +147,12 @@ def _check_chain(topo: Topology, hosts: list[str], log) -> None:
 DEFAULT_COLLECTIVES = {"ddp": ["allreduce"], "pp": ["p2p"]}
 
 
-def train(topology: Topology | str, cfg: TrainConfig, out: str | Path, *, ber: float | None = None,
+def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber: float | None = None,
           scope: str | None = None, checksum: str | None = None, collectives: list[str] | None = None,
           runtime: str | None = None, name: str | None = None, log=print) -> dict:
     """Train on a topology: a Topology (brought up for the run, then down) or the name of one that is up
-    (corruption overrides are applied live with `link set`)."""
+    (corruption overrides are applied live with `link set`). `collectives` defaults to cfg.collectives."""
+    collectives = collectives if collectives is not None else cfg.collectives
     if scope == "tensor" and collectives is None:
         collectives = DEFAULT_COLLECTIVES[cfg.mode]
     overrides = {"ber": ber, "scope": scope, "checksum": checksum, "collectives": collectives}

@@ -13,6 +13,7 @@ EXIT_USAGE = 2  # argparse
 EXIT_DIVERGED = 3  # non-finite loss
 EXIT_TIMEOUT = 4  # a collective / send / recv timed out (a peer hung or a frame was lost)
 EXIT_COMM_ERROR = 5  # a collective failed (connection reset, peer gone, gloo enforce error)
+EXIT_WIRE_LAYER = 6  # DDP, pipelining or torch.distributed raised while training: what corrupted bytes do
 
 # Run statuses written by the launcher (summary.json) and, per rank, by the worker (status-rank{R}.json).
 STATUSES = ("ok", "diverged", "crashed", "hung", "error", "invalid")  # invalid: set by testbed train

@@ -9,7 +9,8 @@ local_spawn() below starts it here; the testbed's runtime starts it inside a hos
 Outcomes (summary["status"]):
   ok        every worker exited 0
   diverged  a worker saw a non-finite loss (exit 3); the others exit at the same step (the loss is agreed)
-  crashed   a worker died of a signal (SIGABRT = gloo aborting on a bad frame) or of a communication error
+  crashed   a worker died of a signal (SIGABRT = gloo aborting on a bad frame), of a communication error, or
+            of an exception inside DDP / pipelining / torch.distributed while training (exit 6)
   hung      no progress for stall_timeout_s, the run exceeded timeout_s, or a collective timed out (exit 4)
   error     a worker failed for a reason unrelated to the network (exit 1/2: bad argument, missing data, bug)
 When one worker fails the others are killed (after a short grace for "diverged"): the launcher never waits
@@ -33,14 +34,16 @@ from pathlib import Path
 from testbed.train import common
 from testbed.train.common import read_jsonl, write_atomic, write_json_atomic
 from testbed.train.fingerprint import bit_identical, replica_divergence, run_distance  # noqa: F401 (API)
+from testbed.train.settings import default_of
 
 WORKER_MODULE = "testbed.train.worker"
 _EXIT_STATUS = {common.EXIT_DIVERGED: "diverged", common.EXIT_TIMEOUT: "hung", common.EXIT_COMM_ERROR: "crashed",
-                common.EXIT_ERROR: "error", common.EXIT_USAGE: "error"}
+                common.EXIT_WIRE_LAYER: "crashed", common.EXIT_ERROR: "error", common.EXIT_USAGE: "error"}
 # Which failure explains a run when several ranks fail (lower wins). A death by signal is never caused by a
-# peer; a communication error usually is (the peer exited first and closed its sockets), so it ranks last.
-_CAUSE_RANK = {"signal": 0, common.EXIT_ERROR: 1, common.EXIT_USAGE: 1, common.EXIT_DIVERGED: 2,
-               common.EXIT_TIMEOUT: 3, common.EXIT_COMM_ERROR: 4}
+# peer, nor is an exception inside DDP/pipelining on what this rank received; a communication error usually
+# is (the peer exited first and closed its sockets), so it ranks last.
+_CAUSE_RANK = {"signal": 0, common.EXIT_ERROR: 1, common.EXIT_USAGE: 1, common.EXIT_WIRE_LAYER: 2,
+               common.EXIT_DIVERGED: 3, common.EXIT_TIMEOUT: 4, common.EXIT_COMM_ERROR: 5}
 
 
 def worker_command(worker_argv, run_dir, python=sys.executable):
@@ -358,8 +361,9 @@ def main():
     p = argparse.ArgumentParser(description="run training workers on this host over loopback")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--out", required=True)
-    p.add_argument("--timeout", type=float, default=3600.0, help="limit for the whole run (s)")
-    p.add_argument("--stall-timeout", type=float, default=120.0, help="limit without progress (s)")
+    p.add_argument("--timeout", type=float, default=default_of("run_timeout"), help="limit for the whole run (s)")
+    p.add_argument("--stall-timeout", type=float, default=default_of("stall_timeout"),
+                   help="limit without progress (s)")
     p.add_argument("worker_argv", nargs=argparse.REMAINDER, help="-- then the worker's arguments (no --out)")
     a = p.parse_args()
     worker_argv = a.worker_argv[1:] if a.worker_argv[:1] == ["--"] else a.worker_argv

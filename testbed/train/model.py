@@ -1,27 +1,46 @@
-"""GPT-2 from transformers (built from a config, never downloaded) and its split into pipeline stages."""
+"""GPT-2 presets, and the model built from one (transformers, from a config, never downloaded).
 
-import torch
-from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.masking_utils import create_causal_mask
+The preset table is the one list of model sizes: the worker, the CLIs, experiment files and the theory
+(testbed/experiments/theory.py) read it. Importing this module does not import torch or transformers (that
+takes seconds, and the theory and validation need only the table); build_model imports them when called.
+The pipeline stage split lives in stages.py.
+"""
 
-# name -> (n_layer, n_head, n_embd, n_positions, vocab_size)
+from typing import NamedTuple
+
+
+class Preset(NamedTuple):
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_positions: int  # context length
+    vocab_size: int
+
+
 PRESETS = {
-    "gpt2-124m": (12, 12, 768, 1024, 50257),  # GPT-2 small: 124,439,808 parameters (tied embeddings)
-    "small": (4, 4, 128, 128, 2048),
-    "tiny": (4, 2, 64, 64, 512),  # 4 layers: one block per stage on a 4-host chain
+    "gpt2-124m": Preset(12, 12, 768, 1024, 50257),  # GPT-2 small: 124,439,808 parameters (tied embeddings)
+    "small": Preset(4, 4, 128, 128, 2048),
+    "tiny": Preset(4, 2, 64, 64, 512),  # 4 layers: one block per stage on a 4-host chain
 }
-GPT2_124M_PARAMS = 124_439_808
+GPT2_124M_PARAMS = 124_439_808  # a test checks that build_model("gpt2-124m") has exactly this many
 
 
-def make_config(preset):
-    n_layer, n_head, n_embd, n_positions, vocab_size = PRESETS[preset]
+def preset(name):
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: use one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def make_config(name):
+    from transformers import GPT2Config
+
+    p = preset(name)
     return GPT2Config(
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embd=n_embd,
-        n_positions=n_positions,
-        vocab_size=vocab_size,
+        n_layer=p.n_layer,
+        n_head=p.n_head,
+        n_embd=p.n_embd,
+        n_positions=p.n_positions,
+        vocab_size=p.vocab_size,
         # no dropout: a run is a deterministic function of (seed, data, wire); any difference is the wire's
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -33,10 +52,14 @@ def make_config(preset):
     )
 
 
-def build_model(preset, seed):
+def build_model(name, seed):
     """The whole GPT2LMHeadModel, initialised from torch's RNG seeded with `seed` (same seed -> same bits)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    config = make_config(name)
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(make_config(preset))
+    model = GPT2LMHeadModel(config)
     model.train()
     return model
 
@@ -49,73 +72,3 @@ def count_params(module):
 def logits_of(model, idx):
     """Logits (B, T, vocab) of a GPT2LMHeadModel (or a DDP wrapping one) for token ids idx (B, T)."""
     return model(input_ids=idx).logits
-
-
-class Stage(nn.Module):
-    """A contiguous slice of GPT-2: [embeddings] + blocks + [ln_f + lm_head].
-
-    Stage 0 takes token ids (B, T) and has the embeddings; the last stage returns logits (B, T, vocab);
-    the others map hidden states (B, T, C) to hidden states. The blocks are transformers' own GPT2Block
-    modules, called the way GPT2Model.forward calls them (hidden states, causal mask, position ids).
-    """
-
-    def __init__(self, config, blocks, embeddings=None, head=None):
-        super().__init__()
-        self.config = config
-        self.wte, self.wpe = embeddings if embeddings is not None else (None, None)
-        self.h = nn.ModuleList(blocks)
-        self.ln_f, self.lm_head = head if head is not None else (None, None)
-
-    def forward(self, x):
-        T = x.shape[1]
-        position_ids = torch.arange(T, device=x.device).unsqueeze(0)
-        h = self.wte(x) + self.wpe(position_ids) if self.wte is not None else x
-        # the same helper GPT2Model uses; with sdpa and no padding it returns None and attention is_causal
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
-        )
-        for block in self.h:
-            h = block(h, attention_mask=mask, position_ids=position_ids)
-        if self.lm_head is not None:
-            h = self.lm_head(self.ln_f(h))
-        return h
-
-
-def layer_split(n_layer, n_stages):
-    """Block index ranges per stage, as even as possible (earlier stages get the extra block)."""
-    if not 1 <= n_stages <= n_layer:
-        raise ValueError(f"cannot split {n_layer} layers into {n_stages} stages")
-    base, extra = divmod(n_layer, n_stages)
-    bounds, start = [], 0
-    for s in range(n_stages):
-        end = start + base + (1 if s < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-def split_stages(model, n_stages):
-    """Split a GPT2LMHeadModel into n_stages Stage modules (sharing its parameter tensors).
-
-    Tied embeddings across stages: in PP the first and last stage live on different hosts, so they cannot
-    share one tensor. The last stage gets its own lm_head (bias-free Linear) initialised as a copy of wte.
-    The two copies start equal and are then trained independently (their gradients are not summed over
-    the wire as Megatron does); this keeps the data link's traffic to activations and their gradients.
-    With a single stage the head stays tied, as in GPT-2.
-    """
-    tr = model.transformer
-    bounds = layer_split(len(tr.h), n_stages)
-    stages = []
-    for s, (lo, hi) in enumerate(bounds):
-        first, last = s == 0, s == n_stages - 1
-        head = None
-        if last:
-            if first:
-                lm_head = model.lm_head  # tied, as in the unsplit model
-            else:
-                lm_head = nn.Linear(tr.wte.weight.shape[1], tr.wte.weight.shape[0], bias=False)
-                with torch.no_grad():
-                    lm_head.weight.copy_(tr.wte.weight)
-            head = (tr.ln_f, lm_head)
-        stages.append(Stage(model.config, list(tr.h[lo:hi]), (tr.wte, tr.wpe) if first else None, head))
-    return stages

@@ -17,7 +17,7 @@ from torch.distributed.pipelining import schedules as _schedules
 
 from testbed.train.data import get_batch, get_eval_batch
 from testbed.train.ddp import make_adamw, nonfinite
-from testbed.train.model import split_stages
+from testbed.train.stages import split_stages
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -25,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from testbed.train import common
+from testbed.train import common, settings
 from testbed.train.common import append_jsonl, write_atomic, write_json_atomic
 from testbed.train.data import prepare
 from testbed.train.fingerprint import Fingerprinter
@@ -35,35 +35,10 @@ SAVE_FINAL_MAX_PARAMS = 50_000_000  # save final parameters by default below thi
 
 
 def build_parser():
+    """The worker's CLI: every setting passed to workers (testbed/train/settings.py), --out and the test hooks."""
     p = argparse.ArgumentParser(prog="python -m testbed.train.worker", description=__doc__.split("\n")[0])
-    p.add_argument("--mode", choices=["ddp", "pp"], required=True)
-    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--steps", type=int, required=True)
+    settings.add_arguments(p, worker_only=True)
     p.add_argument("--out", required=True, help="run directory (shared by all ranks)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step per data-parallel rank")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping; 0 disables")
-    p.add_argument("--eval-every", type=int, default=0, help="eval every K steps and after the last; 0: never")
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="pp only")
-    p.add_argument("--microbatches", type=int, default=None, help="pp only (default: world size)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective/send/recv fails")
-    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                   help="ddp: also allreduce every bucket over the management network and count differing values")
-    p.add_argument("--data", default=None, help="UTF-8 text file to train on instead of Shakespeare")
-    p.add_argument("--threads", type=int, default=int(os.environ.get("TESTBED_TORCH_THREADS", "1")))
-    p.add_argument("--fingerprint-every", type=int, default=1, help="sha256 of parameters every K steps (0: never)")
-    p.add_argument("--fingerprint-sample", type=int, default=4096, help="parameter coordinates sampled per step")
-    p.add_argument("--nonfinite", choices=["skip", "stop"], default="skip",
-                   help="a step whose loss or gradient norm is non-finite: skip its update on every rank (as "
-                        "mixed-precision trainers do) or stop the run as diverged")
-    p.add_argument("--max-skips", type=int, default=0,
-                   help="consecutive skipped steps after which the run counts as diverged (0: no limit; a run "
-                        "whose every update is skipped completes without learning, which its loss shows)")
-    p.add_argument("--save-final", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"save final-rank{{R}}.pt (default: below {SAVE_FINAL_MAX_PARAMS:,} parameters per rank)")
     # test hooks: simulate what the wire could do, on one rank, inside the process (no network needed)
     p.add_argument("--debug-rank", type=int, default=-1, help="rank that applies --debug-* (default: the last)")
     p.add_argument("--debug-flip-step", type=int, default=None,
@@ -93,14 +68,59 @@ class DebugInjector:
             flat[i: i + 1].view(torch.int32).bitwise_xor_(1 << self.bit if self.bit < 31 else -(1 << 31))
 
 
-def classify(exc):
-    """Exit code and status for an exception: communication timeouts and failures vs everything else."""
+# torch's layers that act on bytes from the data link, the most specific first. When one of them raises while
+# training, the likely cause is what it received: DDP's bucket layout, pipeline frames, gloo messages.
+WIRE_LAYERS = (("/torch/distributed/pipelining/", "pipelining (torch.distributed.pipelining)"),
+               ("/torch/nn/parallel/", "DDP (torch.nn.parallel)"),
+               ("/torch/csrc/distributed/c10d/reducer", "DDP (torch.nn.parallel)"),
+               ("/torch/distributed/", "the collective layer (torch.distributed)"),
+               ("/torch/csrc/distributed/", "the collective layer (torch.distributed)"))
+
+
+def _layer_of(path):
+    return next((name for part, name in WIRE_LAYERS if part in path), None)
+
+
+def wire_layer(exc):
+    """The layer of WIRE_LAYERS that raised `exc`, or an exception it chains; None if none did.
+
+    The traceback is read from where the exception was raised outwards, through torch's own frames, up to the
+    first frame of a layer. A frame outside torch (the model, transformers, this package) ends the search: an
+    exception raised by the model inside DDP's forward is not DDP's. C++ assertions name their source file in
+    the message (torch/csrc/distributed/c10d/reducer.cpp): that counts as the innermost frame."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        cpp = re.search(r"torch/csrc/distributed/\S+", str(exc))
+        if cpp:
+            return _layer_of("/" + cpp.group(0))
+        for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+            path = frame.filename.replace("\\", "/")
+            if "/torch/" not in path:
+                break
+            if _layer_of(path):
+                return _layer_of(path)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def classify(exc, phase):
+    """(exit code, status, layer) for an exception raised in `phase` (data, connecting, training).
+
+    Timeouts are `hung` and communication failures `crashed` wherever they happen. Any other exception raised
+    inside DDP, pipelining or the collective layer while training is `crashed` too (exit 6): those layers act
+    on bytes from the data link. The rest (preparing data, arguments, bugs) is `error`."""
     msg = f"{type(exc).__name__}: {exc}"
+    if phase in ("starting", "data"):  # preparing the corpus on this host: nothing to do with the network
+        return common.EXIT_ERROR, "error", None
     if re.search(r"timed? ?out|timeout", msg, re.I):
-        return common.EXIT_TIMEOUT, "hung"
+        return common.EXIT_TIMEOUT, "hung", None
     if isinstance(exc, dist.DistError) or re.search(r"gloo|connection|broken pipe|peer|socket|pair", msg, re.I):
-        return common.EXIT_COMM_ERROR, "crashed"
-    return common.EXIT_ERROR, "error"
+        return common.EXIT_COMM_ERROR, "crashed", None
+    layer = wire_layer(exc) if phase == "training" else None
+    if layer:
+        return common.EXIT_WIRE_LAYER, "crashed", layer
+    return common.EXIT_ERROR, "error", None
 
 
 class Worker:
@@ -174,12 +194,9 @@ class Worker:
         common.metrics_path(self.run_dir, self.rank).unlink(missing_ok=True)
         common.err_path(self.run_dir, self.rank).unlink(missing_ok=True)
         self.write_status("data")
-        n_positions, vocab = PRESETS[a.model][3:]
-        a.seq_len = a.seq_len or n_positions
+        a.seq_len = a.seq_len or PRESETS[a.model].n_positions
         a.microbatches = a.microbatches or self.world_size
-        if not 1 <= a.seq_len <= n_positions:
-            raise ValueError(f"--seq-len must be in 1..{n_positions} for {a.model}")
-        data = prepare(vocab, a.data, log=self.log)
+        data = prepare(PRESETS[a.model].vocab_size, a.data, log=self.log)
         self.write_status("connecting")
         self.connect()
         self.log(f"connected: world {self.world_size}, data if {self.data_ifname}, mgmt if {self.mgmt_ifname}")
@@ -249,12 +266,11 @@ class Worker:
         try:
             return self.run()
         except Exception as exc:
-            code, status = classify(exc)
-            if self.phase == "data":  # preparing the corpus on this host: nothing to do with the network
-                code, status = common.EXIT_ERROR, "error"
+            code, status, layer = classify(exc, self.phase)
             where = f"step {self.step}" if self.step is not None else "setup"
             first_line = (str(exc).strip().splitlines() or [""])[0]
-            reason = f"{status} at {where}: {type(exc).__name__}: {first_line}"
+            raised_in = f" in {layer}" if layer else ""
+            reason = f"{status} at {where}: {type(exc).__name__}{raised_in}: {first_line}"
             write_atomic(common.err_path(self.run_dir, self.rank), reason + "\n\n" + traceback.format_exc())
             self.write_status("done", status, code, reason)
             self.log(reason)
@@ -282,8 +298,14 @@ class Worker:
 
 def main(argv=None):
     faulthandler.enable()  # a gloo SIGABRT then leaves a Python traceback in the log
-    args = build_parser().parse_args(argv)
-    torch.set_num_threads(max(1, args.threads))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings.from_args(args)  # the checks across settings (seq_len within the model's context, ...)
+    except ValueError as e:
+        parser.error(str(e))
+    threads = args.threads or int(os.environ.get("TESTBED_TORCH_THREADS", "1"))
+    torch.set_num_threads(max(1, threads))
     worker = Worker(args)
     worker.shutdown(worker.run_safely())
 
