@@ -204,13 +204,21 @@ def cmd_link_set(args) -> int:
             settings["ber"] = parse_probability(args.ber, upper=0.5)
         except ValueError as e:
             raise CliError(f"--ber: {e}", EXIT_INPUT) from None
-    for key in ("scope", "checksum", "seed"):
+    if args.protected_ber is not None:
+        try:
+            settings["protected_ber"] = parse_probability(args.protected_ber, upper=0.5)
+        except ValueError as e:
+            raise CliError(f"--protected-ber: {e}", EXIT_INPUT) from None
+    for key in ("scope", "checksum", "seed", "element"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
+    if args.protect is not None:  # '' protects nothing
+        settings["protect"] = [p.strip() for p in args.protect.split(",") if p.strip()]
     if args.error_model:
         settings["error_model"] = _error_model_arg(args)
     if not settings:
-        raise CliError("nothing to change: give --ber, --scope, --checksum, --seed or --error-model", EXIT_INPUT)
+        raise CliError("nothing to change: give --ber, --scope, --checksum, --seed, --error-model, --element, "
+                       "--protect or --protected-ber", EXIT_INPUT)
     try:
         changed = tb.set_link(args.link, args.direction, **settings)
     except KeyError as e:
@@ -304,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--error-model", choices=["bernoulli", "gilbert_elliott"])
     ls.add_argument("--burst-length", type=float, help="gilbert_elliott mean burst length in bits")
     ls.add_argument("--bad-ber", type=float, default=0.5, help="gilbert_elliott BER in the bad state (default 0.5)")
+    ls.add_argument("--element", choices=["fp32", "bf16", "fp16"],
+                    help="scope tensor: the value type whose bits --protect names")
+    ls.add_argument("--protect", metavar="FIELDS", help="scope tensor: bits the link protects, comma-separated "
+                    "sign/exponent/mantissa or bit positions (0 = LSB); '' protects nothing")
+    ls.add_argument("--protected-ber", metavar="P", help="residual BER of protected bits (<= --ber; default 0)")
     ls.set_defaults(fn=cmd_link_set)
 
     for register in _extensions():

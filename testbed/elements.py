@@ -24,6 +24,10 @@ class LinkImpairment:
     checksum: str = "fix"
     seed: int = 0
     collectives: tuple[str, ...] | None = None
+    # scope tensor: the values' type and the bits of each value the link protects (docs/engine.md)
+    element: str = "fp32"
+    protect: tuple[str | int, ...] | None = None
+    protected_ber: float = 0.0
 
     @property
     def corrupts(self) -> bool:
@@ -48,7 +52,12 @@ class LinkImpairment:
             model = self.error_model.get("type", "bernoulli")
             extra = "" if model == "bernoulli" else f" {model}(burst {self.error_model.get('burst_length')})"
             coll = f" [{','.join(self.collectives)}]" if self.collectives else ""
-            parts.append(f"ber {self.ber:g}{extra} {self.scope}/{self.checksum}{coll} seed {self.seed}")
+            prot = ""
+            if self.protect:
+                prot = f" protect {','.join(map(str, self.protect))}/{self.element}"
+                if self.protected_ber:
+                    prot += f" at {self.protected_ber:g}"
+            parts.append(f"ber {self.ber:g}{extra} {self.scope}/{self.checksum}{coll}{prot} seed {self.seed}")
         return ", ".join(parts) or "-"
 
     def to_dict(self) -> dict:
@@ -57,6 +66,8 @@ class LinkImpairment:
             "ber": self.ber, "error_model": dict(self.error_model), "scope": self.scope,
             "checksum": self.checksum, "seed": self.seed,
             "collectives": list(self.collectives) if self.collectives else None,
+            "element": self.element, "protect": list(self.protect) if self.protect else None,
+            "protected_ber": self.protected_ber,
         }
 
 

@@ -28,11 +28,13 @@ from .topo import Link, LinkImpairment, Topology
 
 MGMT_IFNAME = "mgmt0"
 # Counters that `counter_delta` subtracts by default (what a training summary reports per link direction).
-COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced")
+COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced", "bits_exposed",
+                  "flips_sign", "flips_exponent", "flips_mantissa")
 # What `counter_delta` copies as it is from the later snapshot (the settings in force at its end).
 COUNTER_KEPT = ("link", "direction", "alive", "ber", "scope", "checksum")
 # Live-settable engine settings that `links_restored` puts back.
-RESTORED_SETTINGS = ("ber", "error_model", "scope", "checksum", "seed", "collectives")
+RESTORED_SETTINGS = ("ber", "error_model", "scope", "checksum", "seed", "collectives", "element", "protect",
+                     "protected_ber")
 
 
 class Testbed:
@@ -188,6 +190,7 @@ class Testbed:
             topology=self.name, link=l.name, direction=direction, netns=netns, iface=iface, hook=hook,
             queue_num=queue_num, ber=imp.ber or 0.0, error_model=dict(imp.error_model), scope=imp.scope,
             checksum=imp.checksum, seed=imp.seed, collectives=list(imp.collectives) if imp.collectives else None,
+            element=imp.element, protect=list(imp.protect) if imp.protect else None, protected_ber=imp.protected_ber,
             control_ports=list(self.topo.control_ports), control_socket=str(edir / f"e{idx}.sock"),
             stats_file=str(edir / f"e{idx}.stats.json"), capture=capture,
         )
@@ -270,8 +273,10 @@ class Testbed:
         for key, h in self.engine_handles(links).items():
             try:
                 if key in saved:
-                    # [] puts "every collective" back (None would leave the current filter in force)
-                    set_engine(h, **{**saved[key], "collectives": saved[key]["collectives"] or []})
+                    # [] puts "every collective" / "nothing protected" back (None would leave the current
+                    # setting in force)
+                    set_engine(h, **{**saved[key], "collectives": saved[key]["collectives"] or [],
+                                     "protect": saved[key].get("protect") or []})
                 else:
                     self._stop_engine(key)
             except Exception as e:  # keep restoring the others
@@ -344,7 +349,9 @@ class Testbed:
                 base = l.direction(d)[3].to_dict()
                 base.update({k: v for k, v in settings.items() if v is not None})
                 base["ber"] = base.get("ber") or 0.0
-                imp = LinkImpairment(**{**base, "collectives": tuple(base["collectives"]) if base.get("collectives") else None})
+                for k in ("collectives", "protect"):  # lists in to_dict and in settings, tuples in the dataclass
+                    base[k] = tuple(base[k]) if base.get(k) else None
+                imp = LinkImpairment(**base)
                 self._start_engine(l, d, imp)
             changed.append(key)
         return changed

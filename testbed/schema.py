@@ -21,6 +21,8 @@ DEFAULT_MGMT_SUBNET = ipaddress.IPv4Network("10.255.0.0/16")
 DEFAULT_CONTROL_PORTS = (29500,)
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "reduce_scatter", "gather",
                "scatter", "alltoall", "p2p")
+ELEMENT_TYPES = ("fp32", "bf16", "fp16")
+PROTECTABLE_FIELDS = ("sign", "exponent", "mantissa")
 
 
 def _wrap(fn):
@@ -56,6 +58,20 @@ def _error_model(value: Any) -> Any:
     return value
 
 
+def _comma_list(value: Any) -> Any:
+    # `protect: sign,exponent` as well as `protect: [sign, exponent]`
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, list) and any(isinstance(v, bool) for v in value):
+        raise ValueError("protect takes field names (sign, exponent, mantissa) or bit positions, not booleans")
+    return value
+
+
+# A protected bit: a field name or a value bit position (0 = LSB; the upper bound depends on the element and is
+# checked when the file is resolved).
+ProtectItem = Literal[PROTECTABLE_FIELDS] | Annotated[int, Field(ge=0, le=31)]  # type: ignore[valid-type]
+
+
 class ImpairmentSpec(_Strict):
     rate: Rate = None
     delay: Duration = None
@@ -67,6 +83,9 @@ class ImpairmentSpec(_Strict):
     checksum: Literal["fix", "keep"] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     collectives: list[Literal[COLLECTIVES]] | None = None  # type: ignore[valid-type]
+    element: Literal[ELEMENT_TYPES] | None = None  # type: ignore[valid-type]
+    protect: Annotated[list[ProtectItem] | None, BeforeValidator(_comma_list)] = None
+    protected_ber: Ber = None
 
 
 class OffloadSpec(_Strict):

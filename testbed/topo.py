@@ -147,6 +147,8 @@ def _impairment(d: dict, seed: int) -> LinkImpairment:
         ber=d.get("ber"), error_model=em, scope=d.get("scope") or "payload", checksum=d.get("checksum") or "fix",
         seed=d["seed"] if d.get("seed") is not None else seed,
         collectives=tuple(d["collectives"]) if d.get("collectives") else None,
+        element=d.get("element") or "fp32", protect=tuple(d["protect"]) if d.get("protect") else None,
+        protected_ber=d.get("protected_ber") or 0.0,
     )
 
 
@@ -274,6 +276,32 @@ def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
         problems.append((f"{p}.error_model", "an error model needs a 'ber'"))
     if imp.collectives and imp.scope != "tensor":
         problems.append((f"{p}.collectives", "collectives filters apply to scope: tensor only"))
+    _check_protection(imp, p, problems)
+
+
+def _check_protection(imp: LinkImpairment, p: str, problems: list) -> None:
+    """element / protect / protected_ber: scope tensor only, bit positions within the element, residual BER
+    at most the line's (the engine's own checks)."""
+    from .engine.protect import protected_positions
+
+    used = [k for k, on in (("protect", imp.protect), ("protected_ber", imp.protected_ber),
+                            ("element", imp.element != "fp32")) if on]
+    if not used:
+        return
+    if imp.scope != "tensor":
+        problems.append((f"{p}.{used[0]}", "element, protect and protected_ber apply to scope: tensor only (the "
+                                           "bits of tensor values)"))
+        return
+    if imp.ber is None:
+        problems.append((f"{p}.{used[0]}", "protected bits need a 'ber' (the raw line's bit error rate)"))
+        return
+    try:
+        protected_positions(imp.element, imp.protect)
+    except ValueError as e:
+        problems.append((f"{p}.protect", str(e)))
+    if imp.protected_ber > imp.ber:
+        problems.append((f"{p}.protected_ber", f"protected_ber {imp.protected_ber:g} must not exceed ber "
+                                               f"{imp.ber:g} (protected bits err at most as often as the raw line)"))
 
 
 def _check_switch_loops(nodes: dict[str, Node], links: list[Link], problems: list) -> None:

@@ -4,6 +4,7 @@
 - ``packet``: IPv4/TCP/UDP parsing, checksums, bit flipping.
 - ``nfqueue``: a lean nfnetlink_queue client.
 - ``corruptor``: the per-packet pipeline (scope, checksum mode, counters).
+- ``gloo``: the gloo stream tracker (scope ``tensor``); ``protect``: protected bits of tensor values.
 - ``shim`` / ``__main__``: the engine process; ``manager``: start/stop/query engines from outside.
 
 See docs/engine.md.

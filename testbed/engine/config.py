@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .gloo import collective_codes
 from .models import validate_error_model
+from .protect import ELEMENTS, normalize_protect, protected_positions
 
 __all__ = ["EngineSpec", "SCOPES", "CHECKSUM_MODES", "HOOKS", "SETTABLE"]
 
@@ -17,7 +18,8 @@ SCOPES = ("payload", "all", "tensor")
 CHECKSUM_MODES = ("fix", "keep")
 HOOKS = ("egress", "ingress")
 # Settings `{"cmd": "set", ...}` may change live.
-SETTABLE = ("ber", "error_model", "scope", "checksum", "seed", "collectives", "control_ports")
+SETTABLE = ("ber", "error_model", "scope", "checksum", "seed", "collectives", "control_ports", "element", "protect",
+            "protected_ber")
 
 
 @dataclass
@@ -38,6 +40,9 @@ class EngineSpec:
     seed: int = 0
     collectives: list[str] | None = None
     control_ports: list[int] = field(default_factory=list)
+    element: str = "fp32"  # scope tensor: the values' type, for protect and the flips_<field> counters
+    protect: list | None = None  # scope tensor: field names (sign, exponent, mantissa) and/or value bit positions
+    protected_ber: float = 0.0  # residual error rate of protected bits, <= ber
     capture: dict | None = None  # {"dir": PATH, "max_bytes": N}
     fail_open: bool = False  # NFQA_CFG_F_FAIL_OPEN: pass packets uncorrupted when the queue is full
     queue_maxlen: int = 4096
@@ -51,6 +56,10 @@ class EngineSpec:
         if isinstance(self.collectives, str):
             self.collectives = [self.collectives]
         self.collectives = list(self.collectives) if self.collectives else None
+        if self.element is None:
+            self.element = "fp32"
+        if self.protected_ber is None:
+            self.protected_ber = 0.0
 
     def validate(self) -> "EngineSpec":
         """Raise ValueError naming the first bad field."""
@@ -81,7 +90,25 @@ class EngineSpec:
             if self.scope != "tensor":
                 raise ValueError("collectives filters apply to scope 'tensor' only")
             collective_codes(self.collectives)  # unknown names: ValueError listing the known ones
+        self._validate_protection()
         return self
+
+    def _validate_protection(self) -> None:
+        if self.element not in ELEMENTS:
+            raise ValueError(f"element must be one of {', '.join(ELEMENTS)}, got {self.element!r}")
+        self.protect = normalize_protect(self.protect)
+        protected_positions(self.element, self.protect)  # names and bit ranges
+        pb = float(self.protected_ber)
+        if not 0.0 <= pb <= 1.0:
+            raise ValueError(f"protected_ber must be a probability in [0, 1], got {self.protected_ber}")
+        self.protected_ber = pb
+        if self.scope != "tensor" and (self.protect or pb or self.element != "fp32"):
+            raise ValueError("element, protect and protected_ber apply to scope 'tensor' only (the bits of "
+                             "tensor values), got scope " + repr(self.scope))
+        if pb > float(self.ber):
+            # residual flips are the line's flips on protected positions, kept with probability protected_ber/ber
+            raise ValueError(f"protected_ber {pb:g} must not exceed ber {float(self.ber):g} (protected bits err "
+                             f"at most as often as the raw line)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,6 +13,12 @@ Which model draws the flips:
   corrupted segment would be dropped again on every retransmission and the flow would stall.
 
 Live changes (``set``) and existing flows: see docs/engine.md, "Live changes and existing flows".
+
+Protected bits (scope ``tensor``, ``protect``): the flips are drawn over every eligible bit as always, then
+only those on exposed bit positions of each value are kept (and those on protected positions with probability
+``protected_ber / ber``, by a hash of the stream bit offset): ``_protected`` and ``protect.py``. The value
+grid comes from the gloo tracker (``eligible_aligned``). Without ``protect`` the per-packet path is unchanged
+except that the flips of modified packets are counted by field.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from .packet import (
     fix_l4_checksum,
     parse_ipv4,
 )
+from .protect import BitLayout, flow_salt, residual_keep
 from .stats import Counters
 
 __all__ = ["Corruptor", "offset_keyed", "uses_gso"]
@@ -76,8 +83,12 @@ class Corruptor:
         self.collectives = spec.collectives
         self._codes = collective_codes(self.collectives)  # the tensor-scope filter, shared by all trackers
         self.control_ports = frozenset(spec.control_ports)
+        self.element = spec.element
+        self.protect = spec.protect
+        self.protected_ber = float(spec.protected_ber)
+        self._set_layout()
         self.capture = capture
-        self.counters = Counters(self.ber)
+        self.counters = Counters(self.ber, self._protection())
         self.flows = FlowTable()
         self._generation = 0  # bumped when the model or seed changes: new streams for everything
         self.link_model = self._build(_TAG_LINK)
@@ -87,6 +98,17 @@ class Corruptor:
 
     def _build(self, tag: int, *key: int):
         return build_model(self.error_model, self.ber, self.seed, tag, self._generation, *key)
+
+    def _set_layout(self) -> None:
+        """The value layout in force (``protect.BitLayout``) and the residual keep fraction of protected flips."""
+        self.layout = BitLayout(self.element, self.protect)
+        self._protecting = self.layout.any
+        self._residual = self.protected_ber / self.ber if self._protecting and self.protected_ber else 0.0
+
+    def _protection(self) -> dict | None:
+        if not self._protecting:
+            return None
+        return {"element": self.element, "protect": list(self.protect), "protected_ber": self.protected_ber}
 
     def _update_mode(self) -> None:
         self.offset_keyed = offset_keyed(self.scope, self.checksum)
@@ -101,7 +123,8 @@ class Corruptor:
     def settings(self) -> dict:
         return {"ber": self.ber, "error_model": dict(self.error_model), "scope": self.scope,
                 "checksum": self.checksum, "seed": self.seed, "collectives": self.collectives,
-                "control_ports": sorted(self.control_ports)}
+                "control_ports": sorted(self.control_ports), "element": self.element,
+                "protect": list(self.protect) if self.protect else None, "protected_ber": self.protected_ber}
 
     def set(self, **settings) -> dict:
         """Change settings live (keys: ``SETTABLE``; None values are ignored). Raises ValueError, changing
@@ -117,19 +140,26 @@ class Corruptor:
                            stats_file=self.spec.stats_file, ber=new["ber"], error_model=new["error_model"],
                            scope=new["scope"], checksum=new["checksum"], seed=new["seed"],
                            collectives=new["collectives"] if new["scope"] == "tensor" else None,
-                           control_ports=new["control_ports"])
+                           control_ports=new["control_ports"], element=new["element"], protect=new["protect"],
+                           protected_ber=new["protected_ber"])
         probe.validate()  # raises before anything changes (normalizes error_model, checks collective names)
         codes = collective_codes(probe.collectives)
         em = probe.error_model
         rebuild = em != self.error_model or int(probe.seed) != self.seed
         ber_changed = float(probe.ber) != self.ber
+        protection = (probe.element, probe.protect, probe.protected_ber)
+        protection_changed = protection != (self.element, self.protect, self.protected_ber)
         old = (self.scope, self.offset_keyed, self.tracks_streams)
         self.error_model, self.seed = em, int(probe.seed)
         self.scope, self.checksum, self.collectives = probe.scope, probe.checksum, probe.collectives
         self._update_mode()
-        if ber_changed or rebuild:
+        if ber_changed or rebuild or protection_changed:
+            # what a flip means changed: a new epoch. The protection applies to every flip emitted from now on
+            # (a retransmission of bytes sent before gets the new filter; the first copy is what was counted)
             self.ber = float(probe.ber)
-            self.counters.new_epoch(self.ber)
+            self.element, self.protect, self.protected_ber = protection
+            self._set_layout()
+            self.counters.new_epoch(self.ber, self._protection())
         if rebuild:
             self._generation += 1
             self.link_model = self._build(_TAG_LINK)
@@ -252,7 +282,10 @@ class Corruptor:
                     flow.desync_counted = True
                     c.flows_midstream += 1
                 return None
-            ranges = tracker.eligible(off, pkt[pay:total])
+            if self._protecting:
+                ranges = tracker.eligible_aligned(off, pkt[pay:total])
+            else:
+                ranges = tracker.eligible(off, pkt[pay:total])
             if tracker.desynced and not flow.desync_counted:
                 flow.desync_counted = True
                 c.flows_desynced += 1
@@ -266,7 +299,7 @@ class Corruptor:
             else:
                 ranges = None
         if not self.offset_keyed:  # tensor + keep: eligible ranges from the tracker, flips from the link model
-            return self._sequential_ranges(pkt, off, pay, ranges, ihl, total, info)
+            return self._sequential_ranges(flow, pkt, off, pay, ranges, ihl, total, info)
         okf = flow.okf
         if okf is None:
             okf = flow.okf = OffsetKeyedFlips(self._build(_TAG_FLOW, flow.conn, *flow_key_ints(flow.key)),
@@ -285,43 +318,175 @@ class Corruptor:
             if not r.positions.size:
                 return None
             return self._emit(pkt, pay, r.positions, IPPROTO_TCP, ihl, total, info)
-        parts = []
-        for s, e in ranges:
-            r = okf.flips_at(s << 3, (e - s) << 3)
-            c.bits_seen += r.new_bits
-            c.bits_flipped += r.new_flips
-            c.retransmitted_bits += r.retx_bits
-            c.retransmitted_flips += r.retx_flips
-            if r.positions.size:
-                parts.append(r.positions + ((s - off) << 3))
+        if self._protecting:
+            parts = self._protected_keyed(flow, okf, off, ranges)
+        else:
+            parts = []
+            for s, e in ranges:
+                r = okf.flips_at(s << 3, (e - s) << 3)
+                c.bits_seen += r.new_bits
+                c.bits_flipped += r.new_flips
+                c.retransmitted_bits += r.retx_bits
+                c.retransmitted_flips += r.retx_flips
+                if r.positions.size:
+                    if r.new_flips and self.scope == "tensor":
+                        self._count_fields(r.positions, (s - flow.tracker.origin_of(s)) << 3,
+                                           self._new_mask(okf, r, s << 3))
+                    parts.append(r.positions + ((s - off) << 3))
         c.forgotten_bits += okf.forgotten_bits - forgotten
         if not parts:
             return None
         return self._emit(pkt, pay, parts[0] if len(parts) == 1 else np.concatenate(parts), IPPROTO_TCP, ihl,
                           total, info)
 
-    def _sequential_ranges(self, pkt, off: int, pay: int, ranges, ihl: int, total: int, info: int):
-        """Sequential-model flips over the eligible stream ranges (absolute offsets, non-empty list) of one
-        TCP segment (scope ``tensor`` with ``keep``)."""
+    def _sequential_ranges(self, flow: FlowState, pkt, off: int, pay: int, ranges, ihl: int, total: int,
+                           info: int):
+        """Sequential-model flips over the eligible stream ranges (absolute offsets, non-empty list; with
+        their origins when protecting) of one TCP segment (scope ``tensor`` with ``keep``)."""
         nbytes = 0
-        for s, e in ranges:
-            nbytes += e - s
+        for r in ranges:
+            nbytes += r[1] - r[0]
         nbits = nbytes << 3
         c = self.counters
         c.bits_seen += nbits
+        layout = self.layout
+        if self._protecting:
+            for s, e, o in ranges:
+                c.bits_protected += layout.protected_bits((s - o) << 3, (e - o) << 3)
         f = self.link_model.flips(nbits)
         if not f.size:
             return None
-        c.bits_flipped += f.size
         if len(ranges) == 1:
-            positions = f + ((ranges[0][0] - off) << 3)
-        else:  # map positions in the concatenated eligible bits back to the payload
-            lengths = np.array([(e - s) << 3 for s, e in ranges], dtype=np.int64)
+            s = ranges[0][0]
+            within, grid, base = f, (s - self._origin(flow, ranges[0])) << 3, s << 3
+        else:  # map positions in the concatenated eligible bits back to their ranges
+            lengths = np.array([(r[1] - r[0]) << 3 for r in ranges], dtype=np.int64)
             ends = np.cumsum(lengths)
-            starts = np.array([(s - off) << 3 for s, _ in ranges], dtype=np.int64)
             k = np.searchsorted(ends, f, side="right")
-            positions = f - (ends[k] - lengths[k]) + starts[k]
-        return self._emit(pkt, pay, positions, IPPROTO_TCP, ihl, total, info)
+            within = f - (ends[k] - lengths[k])
+            grid = np.array([(r[0] - self._origin(flow, r)) << 3 for r in ranges], dtype=np.int64)[k]
+            base = np.array([r[0] << 3 for r in ranges], dtype=np.int64)[k]
+        if self._protecting:
+            keep = self._thin(flow, within, grid, base, None)
+            if keep is not None:
+                f, within, base = f[keep], within[keep], base if np.isscalar(base) else base[keep]
+                if not f.size:
+                    return None
+        else:
+            self._count_fields(within, grid, None)
+        c.bits_flipped += f.size
+        return self._emit(pkt, pay, within + base - (off << 3), IPPROTO_TCP, ihl, total, info)
+
+    # -- protected bits and field counters (scope tensor) -------------------------------------------------------
+
+    @staticmethod
+    def _origin(flow: FlowState, r) -> int:
+        """Origin of a tracker range: given with it when protecting, else looked up (only for ranges with
+        flips)."""
+        return r[2] if len(r) == 3 else flow.tracker.origin_of(r[0])
+
+    @staticmethod
+    def _new_mask(okf: OffsetKeyedFlips, r, start_bit: int):
+        """Which of ``r.positions`` (relative to ``start_bit``) are first-time bits: None = all of them, False
+        = none, else a bool array (from ``okf.last_new``)."""
+        if not r.retx_bits:
+            return None
+        if not r.new_bits:
+            return False
+        pos = r.positions + start_bit
+        new = np.zeros(pos.size, dtype=bool)
+        for a, b in okf.last_new:
+            new |= (pos >= a) & (pos < b)
+        return new
+
+    def _count_fields(self, within: np.ndarray, grid, new) -> None:
+        """Count applied first-time flips by field. ``within``: bit positions in their range; ``grid``: bit
+        offset of the range start from its value grid (an int, or one per flip); ``new``: see ``_new_mask``."""
+        if new is False:
+            return
+        if new is None and within.size <= 8 and grid.__class__ is int:  # a loop beats numpy's fixed cost
+            n = [0, 0, 0]
+            codes, mask = self.layout.field_codes, self.layout.mask
+            for p in within.tolist():
+                n[codes[(p + grid) & mask]] += 1
+            self._add_fields(n)
+            return
+        slots = within + grid
+        slots &= self.layout.mask
+        self._add_fields_of(slots if new is None else slots[new])
+
+    def _add_fields_of(self, slots: np.ndarray) -> None:
+        self._add_fields(np.bincount(self.layout.field[slots], minlength=3).tolist())
+
+    def _add_fields(self, n: list) -> None:
+        c = self.counters
+        c.flips_sign += n[0]
+        c.flips_exponent += n[1]
+        c.flips_mantissa += n[2]
+
+    def _thin(self, flow: FlowState, within: np.ndarray, grid, base, new):
+        """Protection: which drawn flips to apply (a bool mask, None for all): none on protected positions
+        except those a hash of (seed, flow, stream bit offset ``within + base``) keeps at ``protected_ber /
+        ber``. Counts the first-time ones (``new`` as in ``_new_mask``): corrected, protected, by field."""
+        layout = self.layout
+        slots = within + grid
+        slots &= layout.mask
+        prot = layout.protected[slots]
+        keep = None
+        if prot.any():
+            keep = ~prot
+            if self._residual:
+                idx = np.flatnonzero(prot)
+                offsets = within[idx] + (base if np.isscalar(base) else base[idx])
+                keep[idx] = residual_keep(flow_salt(self.seed, flow.conn, flow.key), offsets, self._residual)
+        if new is False:  # retransmitted bits only: the same flips again, counted apart
+            return keep
+        if keep is None:
+            self._add_fields_of(slots if new is None else slots[new])
+            return None
+        drawn = prot if new is None else prot & new  # first-time flips on protected positions
+        applied = keep if new is None else keep & new
+        c = self.counters
+        c.flips_corrected += int(np.count_nonzero(drawn & ~keep))
+        c.flips_protected += int(np.count_nonzero(drawn & keep))
+        self._add_fields_of(slots[applied])
+        return keep
+
+    def _protected_keyed(self, flow: FlowState, okf: OffsetKeyedFlips, off: int, ranges) -> list:
+        """Offset-keyed flips over aligned ranges ``(start, end, origin)`` with protection: the positions to
+        flip (payload-relative bits), per range; counters as in ``_tcp_stream`` plus the protection's."""
+        c = self.counters
+        layout = self.layout
+        parts = []
+        for s, e, o in ranges:
+            sb = s << 3
+            r = okf.flips_at(sb, (e - s) << 3)
+            grid = (s - o) << 3
+            c.bits_seen += r.new_bits
+            c.retransmitted_bits += r.retx_bits
+            if not r.retx_bits:
+                c.bits_protected += layout.protected_bits(grid, grid + ((e - s) << 3))
+            elif r.new_bits:
+                for a, b in okf.last_new:
+                    c.bits_protected += layout.protected_bits(a - sb + grid, b - sb + grid)
+            pos = r.positions
+            if not pos.size:
+                continue
+            new = self._new_mask(okf, r, sb)
+            keep = self._thin(flow, pos, grid, sb, new)
+            if keep is None:
+                applied, n_new = pos, r.new_flips
+            else:
+                applied = pos[keep]
+                if new is None:
+                    n_new = applied.size
+                else:
+                    n_new = 0 if new is False else int(np.count_nonzero(keep & new))
+            c.bits_flipped += n_new
+            c.retransmitted_flips += applied.size - n_new
+            if applied.size:
+                parts.append(applied + ((s - off) << 3))
+        return parts
 
     def _emit(self, pkt, base: int, positions: np.ndarray, proto: int, ihl: int, total: int, info: int,
               whole: bool = False):

@@ -192,12 +192,18 @@ class GlooStreamTracker:
       the record.
     - any header that gloo would not write: ``desynced`` becomes True for good and every call returns
       ``[]`` (including the one that found it); ``desync_reason`` says why.
+
+    ``eligible_aligned(offset, data)`` answers the same ranges as ``(start, end, origin)``: ``origin`` is the
+    stream offset of byte 0 of the frame's destination buffer, so byte ``x`` of the range is byte
+    ``x - origin`` of the buffer and its phase within a value of ``k`` bytes is ``(x - origin) % k`` (a value
+    split across segments or, with SEND_BUFFER's ``roffset``, across frames is still one value).
+    ``origin_of(x)`` is the origin of an eligible byte ``x`` answered before (of the record's frames).
     """
 
     __slots__ = (
         "initiator", "codes", "max_frame_bytes", "history_bytes", "max_ooo_bytes",
         "_frontier", "_state", "_need", "_payload_end", "_pay_ok", "_hbuf",
-        "_rec_s", "_rec_e", "_rec_head", "_horizon", "_pending", "_pending_bytes",
+        "_rec_s", "_rec_e", "_rec_o", "_rec_head", "_horizon", "_pending", "_pending_bytes", "_origin",
         "frames", "data_frames", "eligible_bytes", "payload_bytes", "header_bytes",
         "retransmitted_bytes", "ooo_bytes", "stale_bytes", "desynced", "desync_reason",
         "handshake", "bytes_by_collective",
@@ -217,11 +223,13 @@ class GlooStreamTracker:
         self._state = _HANDSHAKE if self.initiator else _HEADER
         self._payload_end = 0  # in _PAYLOAD: end offset of the current frame's payload
         self._pay_ok = False  # in _PAYLOAD: current payload is eligible
+        self._origin = 0  # in _PAYLOAD: stream offset of byte 0 of the current frame's destination buffer
         self._hbuf = bytearray()  # partial handshake/header bytes
         self._need = HANDSHAKE_SIZE if self.initiator else HEADER_SIZE
         # record of eligible payload ranges (sorted, disjoint); entries before _rec_head are pruned
         self._rec_s: list[int] = []
         self._rec_e: list[int] = []
+        self._rec_o: list[int] = []  # origin of each recorded frame (see eligible_aligned)
         self._rec_head = 0
         self._horizon = 0  # the record is complete for offsets >= horizon
         self._pending: dict[int, bytes] = {}  # out-of-order bytes beyond frontier: start -> data
@@ -268,6 +276,27 @@ class GlooStreamTracker:
                 return [(offset, end)]
             return []
         return self._slow(offset, data, end)
+
+    def eligible_aligned(self, offset: int, data) -> list[tuple[int, int, int]]:
+        """``eligible`` with each range's origin: ``(start, end, origin)`` (see the class docstring)."""
+        n = len(data)
+        if n == 0 or self.desynced:
+            return []
+        end = offset + n
+        if offset == self._frontier and self._state == _PAYLOAD and end <= self._payload_end:
+            origin = self._origin  # the hot path of eligible, answered with the current frame's origin
+            ranges = self.eligible(offset, data)
+            return [(offset, end, origin)] if ranges else []
+        return [(s, e, self.origin_of(s)) for s, e in self._slow(offset, data, end)]
+
+    def origin_of(self, pos: int) -> int:
+        """Origin (stream offset of destination-buffer byte 0) of the recorded frame holding eligible byte
+        ``pos``; ``pos`` itself (phase 0) for a byte no longer in the record (older than ``history_bytes``)."""
+        rs = self._rec_s
+        i = bisect_right(rs, pos) - 1
+        if i >= 0 and pos < self._rec_e[i]:
+            return self._rec_o[i]
+        return pos
 
     def stats(self) -> dict:
         return {
@@ -442,13 +471,18 @@ class GlooStreamTracker:
             self._state = _PAYLOAD
             self._payload_end = f + length
             self._pay_ok = ok
+            # Destination offset of the payload's first byte: SEND_BUFFER says it (roffset, pair.cc
+            # prepareRead); an unbound buffer's is the receiver's recv offset, not on the wire, and gloo and
+            # torch send whole values from a value-aligned offset, so the frame starts a value.
+            origin = self._origin = f - fields[5] if opcode == OP_SEND_BUFFER else f
             if ok:
-                self._record(f, f + length)
+                self._record(f, f + length, origin)
         self._frontier = f
 
-    def _record(self, s: int, e: int) -> None:
+    def _record(self, s: int, e: int, origin: int) -> None:
         self._rec_s.append(s)
         self._rec_e.append(e)
+        self._rec_o.append(origin)
         limit = s - self.history_bytes
         rs, re_ = self._rec_s, self._rec_e
         h = self._rec_head
@@ -458,5 +492,6 @@ class GlooStreamTracker:
         if h > 1024 and 2 * h > len(rs):
             del rs[:h]
             del re_[:h]
+            del self._rec_o[:h]
             h = 0
         self._rec_head = h

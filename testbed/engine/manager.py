@@ -258,8 +258,9 @@ def engine_stats(handle_or_paths, timeout: float = 2.0) -> dict:
 
 
 def set_engine(handle, timeout: float = 5.0, **settings) -> dict:
-    """Change corruption settings live (ber, error_model, scope, checksum, seed, collectives, control_ports;
-    None values are ignored). Returns the settings now in force; raises EngineError if refused."""
+    """Change corruption settings live (ber, error_model, scope, checksum, seed, collectives, control_ports,
+    element, protect, protected_ber; None values are ignored, `protect=[]` clears the protection). Returns the
+    settings now in force; raises EngineError if refused."""
     sock, _, pid, start_time = _paths(handle)
     if pid is not None and not engine_alive(pid, start_time):
         raise EngineError(f"engine pid {pid} is not running")

@@ -433,11 +433,15 @@ class OffsetKeyedFlips:
     of a gap are new when the gap is filled). Bits older than the remembered window are reported as
     retransmitted with no flips (``forgotten_bits``): TCP never retransmits that far back in practice.
     Pruning has hysteresis: the window is trimmed back to ``window_bits`` once it exceeds it by an eighth.
+
+    ``last_new``: after a request whose answer mixes new and retransmitted bits, the new stretches of it as
+    absolute ``[start, end)`` bit ranges (for callers that classify the new flips; not set on the hot path,
+    whose answer is all new).
     """
 
     __slots__ = (
         "model", "window_bits", "max_flips", "_prune_at", "_hw", "_floor", "_seen", "_lo", "_hi", "_arr",
-        "_head", "_stored", "forgotten_bits",
+        "_head", "_stored", "forgotten_bits", "last_new",
     )
 
     def __init__(self, model: BitErrorModel, *, start: int = 0, window_bits: int = 64 << 23,
@@ -456,6 +460,7 @@ class OffsetKeyedFlips:
         self._head = 0
         self._stored = 0
         self.forgotten_bits = 0
+        self.last_new: list[tuple[int, int]] = []
 
     def set_ber(self, ber: float) -> None:
         self.model.set_ber(ber)
@@ -561,6 +566,7 @@ class OffsetKeyedFlips:
         forgotten = max(0, min(end, floor) - start)
         cur = max(start, floor)
         seen = self._seen
+        spans = self.last_new = []
         for k in range(bisect_right(seen, cur, key=_interval_end), len(seen)):
             s, e = seen[k]
             if s >= end:
@@ -569,6 +575,7 @@ class OffsetKeyedFlips:
                 nb, nf = self._count(positions, cur, min(s, end))
                 new_bits += nb
                 new_flips += nf
+                spans.append((cur, min(s, end)))
             cur = max(cur, min(e, end))
             if cur >= end:
                 break
@@ -576,6 +583,7 @@ class OffsetKeyedFlips:
             nb, nf = self._count(positions, cur, end)
             new_bits += nb
             new_flips += nf
+            spans.append((cur, end))
         self.forgotten_bits += forgotten
         self._mark_seen(max(start, floor), end)
         n = end - start
