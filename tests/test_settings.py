@@ -65,7 +65,10 @@ def test_defaults_are_the_same_everywhere(tmp_path):
 def test_worker_argv_round_trips_through_the_worker_cli():
     cfg = TrainSettings(mode="pp", steps=5, model="small", seed=3, batch_size=6, seq_len=100, lr=2.5e-4,
                         microbatches=3, schedule="1f1b", reference=False, save_final=True, max_skips=2,
-                        data="/tmp/x.txt", threads=2, hosts=3, collectives=["p2p"], stall_timeout=9)
+                        data="/tmp/x.txt", threads=2, hosts=3, collectives=["p2p"], stall_timeout=9,
+                        optimizer="sgd", momentum=0.5, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0,
+                        lr_schedule="cosine", warmup_steps=2, clip="value", grad_clip=0.5, guard="sanitize",
+                        sanitize_threshold=50.0, wire_dtype="bf16")
     args = worker_parser().parse_args([*cfg.worker_argv(), "--out", "run"])
     parsed = settings.from_args(args)
     for s in described():
@@ -80,6 +83,10 @@ def test_worker_argv_round_trips_through_the_worker_cli():
 @pytest.mark.parametrize("field,value,problem", [
     ("batch_size", 0, ">= 1"), ("lr", 0.0, "> 0"), ("timeout", -1.0, "> 0"), ("schedule", "zigzag", "one of"),
     ("model", "gpt5", "one of"), ("max_skips", -1, ">= 0"), ("steps", 0, ">= 1"), ("batch_size", "8", "int"),
+    ("guard", "ignore", "one of"), ("clip", "global", "one of"), ("wire_dtype", "fp8", "one of"),
+    ("optimizer", "lion", "one of"), ("lr_schedule", "linear", "one of"), ("warmup_steps", -1, ">= 0"),
+    ("sanitize_threshold", 0.0, "> 0"), ("eps", 0.0, "> 0"), ("momentum", 1.5, "<= 1"),
+    ("weight_decay", -0.1, ">= 0"),
 ])
 def test_range_errors_name_the_field(tmp_path, capsys, field, value, problem):
     with pytest.raises(ValueError, match=rf"^{field}: must .*{problem}"):
@@ -110,6 +117,35 @@ def test_settings_across_fields_and_unknown_ones_are_errors(tmp_path):
         with pytest.raises(ValidationError):
             ExperimentFile.model_validate({"name": "t", "steps": 1, "topologies": {}, "grid": {"mode": ["ddp"],
                                            "ber": [0]}, "train": {unset: 1}})
+
+
+def test_betas_are_two_floats_everywhere(tmp_path, capsys):
+    """A tuple of floats: comma-separated on a command line, a list in a file, a tuple in the settings."""
+    assert default_of("betas") == (0.9, 0.95)
+    assert worker_parser().parse_args([*WORKER_REQUIRED, "--betas", "0.8, 0.99"]).betas == (0.8, 0.99)
+    cfg = TrainSettings(mode="ddp", steps=1, betas=[0.8, 0.99])  # as a file or JSON gives it
+    assert cfg.betas == (0.8, 0.99) and cfg.worker_argv()[cfg.worker_argv().index("--betas") + 1] == "0.8,0.99"
+    for bad, problem in (("0.9", "2 floats"), ("0.9,x", "2 comma-separated floats"), ("0.9,0.9,0.9", "2 floats")):
+        with pytest.raises(SystemExit):
+            worker_parser().parse_args([*WORKER_REQUIRED, "--betas", bad])
+        assert problem in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^betas: must be in \[0, 1\)"):
+        TrainSettings(mode="ddp", steps=1, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"^betas: must be 2 floats"):
+        TrainSettings(mode="ddp", steps=1, betas=("a", "b"))
+    assert "--betas" in train_subparser().format_help()
+    exp = Experiment.load(experiment_file(tmp_path, "{betas: [0.8, 0.99], guard: sanitize, wire_dtype: bf16}"))
+    from testbed.experiments.runner import train_config
+
+    cfg = train_config(exp, exp.points()[0])
+    assert (cfg.betas, cfg.guard, cfg.wire_dtype) == ((0.8, 0.99), "sanitize", "bf16")
+
+
+def test_nonfinite_is_gone():
+    """`guard` replaced it: an old flag is an error, not silently ignored."""
+    assert "nonfinite" not in {s.name for s in described()}
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
+        worker_parser().parse_args([*WORKER_REQUIRED, "--nonfinite", "stop"])
 
 
 def test_setting_types_are_checked_when_the_settings_are_defined():

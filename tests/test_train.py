@@ -29,10 +29,13 @@ pytestmark = pytest.mark.timeout(240)  # a hung run must fail the test, not stal
 
 TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3", "--eval-every", "4",
         "--eval-batches", "2", "--timeout", "30"]
-ROW_FIELDS = {"step", "rank", "loss", "eval_loss", "grad_norm", "nonfinite_received", "corrupted_values",
+ROW_FIELDS = {"step", "rank", "loss", "eval_loss", "grad_norm", "nonfinite_received", "corrupted_values", "lr",
+              "skipped", "sanitized", "wire_bytes", "frozen", "initial_eval_loss",
               "step_time_s", "comm_time_s", "param_sha256", "param_norm", "param_sample", "param_count"}
 SUMMARY_FIELDS = {"status", "reason", "steps_completed", "final_loss", "final_eval_loss", "world_size", "mode",
-                  "model", "seed", "exit_codes", "wall_time_s", "median_step_time_s"}
+                  "model", "seed", "exit_codes", "wall_time_s", "median_step_time_s", "skipped_steps",
+                  "lost_step_fraction", "sanitized_values", "frozen_values", "initial_eval_loss", "made_progress",
+                  "wire_bytes_per_step"}
 
 
 class Spawner:
@@ -295,6 +298,9 @@ def check_complete(run_dir, summary, mode, steps, world_size=2):
     assert math.isfinite(summary["final_eval_loss"])
     losses = [r["loss"] for r in rows if r["rank"] == 0]
     assert losses[-1] < losses[0] - 0.05, losses  # it learns
+    assert summary["made_progress"] and summary["initial_eval_loss"] > summary["final_eval_loss"]
+    assert summary["skipped_steps"] == summary["sanitized_values"] == summary["frozen_values"] == 0
+    assert summary["lost_step_fraction"] == 0.0
     for rank in range(world_size):
         assert os.path.exists(common.final_params_path(run_dir, rank))
     return rows
@@ -376,7 +382,7 @@ def test_bit_flip_in_received_gradient_is_counted_against_the_reference(spawner,
 def test_nan_received_with_stop_policy_diverges(spawner, tmp_path, tiny_data, mode, nan_step):
     run_dir = str(tmp_path / mode)
     summary = run(spawner, run_dir, ["--mode", mode, "--steps", "20", "--seed", "1", *TINY,
-                                     "--debug-nan-step", str(nan_step), "--nonfinite", "stop"])
+                                     "--debug-nan-step", str(nan_step), "--guard", "stop"])
     assert summary["status"] == "diverged", summary
     assert "non-finite loss or gradient" in summary["reason"]
     assert summary["exit_codes"] == {"0": common.EXIT_DIVERGED, "1": common.EXIT_DIVERGED}

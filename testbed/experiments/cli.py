@@ -31,7 +31,9 @@ def cmd_train(args) -> int:
         target = Topology.load(args.topology, name=args.name)
     else:
         target = args.topology  # the name of a topology that is up
+    protect = [p.strip() for p in args.protect.split(",") if p.strip()] if args.protect is not None else None
     s = train(target, cfg, args.out, ber=args.ber, scope=args.scope, checksum=args.checksum, runtime=args.runtime,
+              protect=protect, element=args.element, protected_ber=args.protected_ber,
               log=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(s, indent=2, default=str))
@@ -100,6 +102,11 @@ def register(sub) -> None:
     s.add_argument("--ber", type=_ber, help="override every link's bit error rate (both directions)")
     s.add_argument("--scope", choices=["payload", "all", "tensor"], help="override every link's scope")
     s.add_argument("--checksum", choices=["fix", "keep"], help="override every link's checksum mode")
+    s.add_argument("--protect", metavar="FIELDS", help="scope tensor: bits of each value every link protects, e.g. "
+                   "sign,exponent (field names or bit positions, 0 = LSB); '' protects nothing")
+    s.add_argument("--element", choices=["fp32", "bf16", "fp16"], help="scope tensor: the values' type (default fp32)")
+    s.add_argument("--protected-ber", type=_ber, help="scope tensor: residual BER of protected bits (default 0, "
+                   "at most --ber)")
     s.add_argument("--runtime", choices=["netns", "docker"])
     s.add_argument("--name", help="topology name to bring the file up under")
     s.add_argument("--json", action="store_true", help="print the whole summary as JSON")

@@ -149,13 +149,15 @@ DEFAULT_COLLECTIVES = {"ddp": ["allreduce"], "pp": ["p2p"]}
 
 def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber: float | None = None,
           scope: str | None = None, checksum: str | None = None, collectives: list[str] | None = None,
+          protect: list[str | int] | None = None, element: str | None = None, protected_ber: float | None = None,
           runtime: str | None = None, name: str | None = None, log=print) -> dict:
     """Train on a topology: a Topology (brought up for the run, then down) or the name of one that is up
     (corruption overrides are applied live with `link set`). `collectives` defaults to cfg.collectives."""
     collectives = collectives if collectives is not None else cfg.collectives
     if scope == "tensor" and collectives is None:
         collectives = DEFAULT_COLLECTIVES[cfg.mode]
-    overrides = {"ber": ber, "scope": scope, "checksum": checksum, "collectives": collectives}
+    overrides = {"ber": ber, "scope": scope, "checksum": checksum, "collectives": collectives,
+                 "protect": protect, "element": element, "protected_ber": protected_ber}
     if isinstance(topology, str):
         tb = Testbed.attach(topology)
         settings = {k: v for k, v in overrides.items() if v is not None}
@@ -170,8 +172,33 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
     return summary
 
 
+def outcome_word(s: dict) -> str:
+    """The status, qualified when it says less than the run did: an `ok` run that made no progress (see
+    made_progress in docs/training.md) is never a plain `ok`."""
+    if s["status"] != "ok" or s.get("made_progress") is not False:
+        return s["status"]
+    skipped, done = s.get("skipped_steps") or 0, s.get("steps_completed", 0)
+    if skipped:
+        return f"ok (no progress: {skipped}/{done} updates skipped)"
+    basis = "eval" if s.get("progress_basis") == "eval" else "training"
+    first, last = (s.get("initial_eval_loss"), s.get("final_eval_loss")) if basis == "eval" else (
+        s.get("initial_loss"), s.get("final_loss"))
+    return f"ok (no progress: {basis} loss {_loss(first)} -> {_loss(last)})"
+
+
+def _loss(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
 def summary_line(s: dict) -> str:
-    loss = s.get("final_loss")
-    return (f"{s['status']}: {s.get('steps_completed', 0)}/{s.get('steps_requested', '?')} steps, final loss "
-            f"{'-' if loss is None else f'{loss:.4f}'}, bits flipped {s.get('bits_flipped', 0):,} of "
-            f"{s.get('bits_seen', 0):,} eligible" + (f" ({s['reason']})" if s.get("reason") else ""))
+    done = s.get("steps_completed", 0)
+    parts = [f"{done}/{s.get('steps_requested', '?')} steps", f"final loss {_loss(s.get('final_loss'))}"]
+    if s.get("initial_eval_loss") is not None:
+        parts.append(f"eval {_loss(s['initial_eval_loss'])} -> {_loss(s['final_eval_loss'])}")
+    if s.get("skipped_steps"):
+        parts.append(f"skipped {s['skipped_steps']}/{done}")
+    for key, word in (("sanitized_values", "sanitized"), ("frozen_values", "frozen")):
+        if s.get(key):
+            parts.append(f"{word} {s[key]:,}")
+    parts.append(f"bits flipped {s.get('bits_flipped', 0):,} of {s.get('bits_seen', 0):,} eligible")
+    return f"{outcome_word(s)}: " + ", ".join(parts) + (f" ({s['reason']})" if s.get("reason") else "")

@@ -3,7 +3,9 @@
 The hook allreduces each gradient bucket over the default process group (bound to the data interface, the
 link that may be corrupted) and trains on that result. It also counts non-finite values sent and received
 and, with a reference, allreduces a copy of the same bucket over the management group (a clean network) and
-counts the elements whose bits differ: the gradient values that the data link corrupted.
+counts the elements whose bits differ: the gradient values that the data link corrupted. With a 16-bit wire
+dtype the bucket crosses the link in that dtype (as torch's bf16/fp16 compression hooks do) and the reference
+too, so the comparison is like with like. With guard sanitize the hook zeroes implausible received values.
 """
 
 import math
@@ -14,42 +16,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from testbed.train import recipe
 from testbed.train.data import get_batch, get_eval_batch
 from testbed.train.model import logits_of
+from testbed.train.recipe import nonfinite
 
-
-def nonfinite(t):
-    """Number of NaN/Inf values. A sum is ~100x faster than isfinite() on 124M values and is finite whenever
-    all values are (unless finite values overflow it): count exactly only when it is not."""
-    if torch.isfinite(t.sum()):
-        return 0
-    return int(t.numel() - torch.isfinite(t).sum())
+_BITS = {4: torch.int32, 2: torch.int16}
 
 
 def differing(a, b):
     """Number of elements whose bits differ (NaN == NaN with the same bits; -0.0 != 0.0). Fast path: equal."""
-    a, b = a.view(torch.int32), b.view(torch.int32)
+    a, b = a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
     if torch.equal(a, b):
         return 0
     return int((a != b).sum())
-
-
-def make_adamw(params, lr):
-    """AdamW as in nanoGPT: weight decay on matrices only, betas (0.9, 0.95)."""
-    params = [p for p in params if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-
-
-def clip_or_measure(params, grad_clip):
-    """Global gradient norm (before clipping); clips to grad_clip when > 0."""
-    params = [p for p in params if p.grad is not None]
-    if grad_clip > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
 
 class DDPTrainer:
@@ -64,7 +44,8 @@ class DDPTrainer:
         self.model = DistributedDataParallel(model, init_sync=False, forward_sync_buffers=False,
                                              gradient_as_bucket_view=True)
         self.model.register_comm_hook(state=None, hook=self._comm_hook)
-        self.opt = make_adamw(model.parameters(), args.lr)
+        self.opt = recipe.make_optimizer(model.parameters(), args)
+        self.wire_dtype = recipe.WIRE_DTYPES[args.wire_dtype]
         self.step = 0
         self.stats = {}
         self.clean = {}  # bucket index -> reference buffer
@@ -75,54 +56,71 @@ class DDPTrainer:
     def _comm_hook(self, state, bucket):
         buf = bucket.buffer()  # flat fp32 gradients of this bucket (the parameters' .grad are views into it)
         buf.div_(self.world_size)  # DDP's default hook averages the same way: divide, then sum
-        st = self.stats
-        st["nonfinite_sent"] += nonfinite(buf)
-        st["allreduce_elements"] += buf.numel()
+        wire = buf.to(self.wire_dtype)  # buf itself for fp32
+        st, a = self.stats, self.args
+        st["nonfinite_sent"] += nonfinite(wire)  # fp16 overflows above 65504
+        st["allreduce_elements"] += wire.numel()
+        st["wire_bytes"] += wire.numel() * wire.element_size()
         clean = None
-        if self.args.reference:  # one persistent copy per bucket: no 500 MB allocation per step
+        if a.reference:  # one persistent copy per bucket: no 500 MB allocation per step
             clean = self.clean.get(bucket.index())
-            if clean is None or clean.numel() != buf.numel():
-                clean = self.clean[bucket.index()] = torch.empty_like(buf)
-            clean.copy_(buf)
+            if clean is None or clean.numel() != wire.numel() or clean.dtype != wire.dtype:
+                clean = self.clean[bucket.index()] = torch.empty_like(wire)
+            clean.copy_(wire)
         t0 = time.perf_counter()
         # Synchronous on purpose: the result must be known here to count and compare it (no overlap with
         # backward of later buckets; comm_time_s is exactly the time spent waiting for the data link).
-        dist.all_reduce(buf)
+        dist.all_reduce(wire)
         st["comm_time_s"] += time.perf_counter() - t0
         if bucket.index() == 0:
-            self.debug.corrupt(buf, self.step)  # test hook: simulate a corrupted value arriving from the wire
-        st["nonfinite_received"] += nonfinite(buf)
+            self.debug.corrupt(wire, self.step)  # test hook: simulate a corrupted value arriving from the wire
+        st["nonfinite_received"] += nonfinite(wire)
         if clean is not None:
             t0 = time.perf_counter()
             self.mgmt.allreduce([clean]).wait()
             st["reference_time_s"] += time.perf_counter() - t0
             # compare bits, not values: NaN != NaN and -0.0 == 0.0 would both mislead
-            st["corrupted_values"] += differing(buf, clean)
+            st["corrupted_values"] += differing(wire, clean)
+        if wire is not buf:
+            buf.copy_(wire)  # back to fp32, into the parameters' gradients
+        if a.guard == "sanitize":
+            clean_buf, n = recipe.sanitize(buf, a.sanitize_threshold)
+            if n:
+                buf.copy_(clean_buf)
+            st["sanitized"] += n
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
 
     def train_step(self, step):
         self.step = step
-        self.stats = {"nonfinite_sent": 0, "nonfinite_received": 0, "allreduce_elements": 0, "comm_time_s": 0.0,
-                      "reference_time_s": 0.0, "corrupted_values": 0 if self.args.reference else None}
+        self.stats = {"nonfinite_sent": 0, "nonfinite_received": 0, "allreduce_elements": 0, "wire_bytes": 0,
+                      "sanitized": 0, "comm_time_s": 0.0, "reference_time_s": 0.0,
+                      "corrupted_values": 0 if self.args.reference else None}
         a = self.args
         x, y = get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, self.rank)
         loss = F.cross_entropy(logits_of(self.model, x).flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # runs the comm hook once per bucket
-        grad_norm = clip_or_measure(self.module.parameters(), a.grad_clip)
-        loss_local = float(loss.detach())
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # this replica's, before clipping
+        grad_norm, loss_local = float(total_norm), float(loss.detach())
         # Every rank reports the mean loss over ranks and whether any rank saw a non-finite loss or gradient,
         # agreed over the clean management network, so that all replicas skip (or take) the update together.
         bad = not (math.isfinite(grad_norm) and math.isfinite(loss_local))
         t = torch.tensor([loss_local, float(bad)], dtype=torch.float64)
         self.mgmt.allreduce([t]).wait()
-        skipped = bool(t[1] > 0)
+        skipped = bool(t[1] > 0) and a.guard != "none"  # none: apply whatever the update holds
+        lr = recipe.lr_at(step, a)
         if not skipped:
+            recipe.clip_(params, a, total_norm)
+            recipe.set_lr(self.opt, lr)
             self.opt.step()
         return {"loss": float(t[0]) / self.world_size, "loss_local": loss_local, "grad_norm": grad_norm,
-                "skipped": skipped, **self.stats}
+                "skipped": skipped, "lr": lr, **self.stats}
+
+    def frozen_values(self):
+        return recipe.frozen_values(self.opt)
 
     def all_finite(self, value):
         """Whether `value` is finite on every rank (agreed over the management network), so that all ranks

@@ -195,19 +195,31 @@ def _finite(x):
     return x is not None and abs(x) < float("inf")  # False for NaN too
 
 
+# made_progress: the last eval loss is at least this fraction below the eval loss before the first step
+PROGRESS_MARGIN = 0.01
+
+
+def made_progress(initial, final):
+    """Whether a loss fell from `initial` to `final` by PROGRESS_MARGIN (relative); None when unknown."""
+    if not _finite(initial) or final is None:
+        return None
+    return _finite(final) and final < initial * (1 - PROGRESS_MARGIN)
+
+
 def summarize_rows(rows, world_size):
-    """steps_completed (steps every rank logged), final losses, medians and corruption totals."""
+    """steps_completed (steps every rank logged), final losses, medians, corruption totals and the honest
+    outcome: steps lost, values sanitized and frozen, progress (docs/training.md, "Outcome")."""
     by_step = {}
     for row in rows:
         by_step.setdefault(row["step"], {})[row["rank"]] = row
     done = 0
     while done in by_step and len(by_step[done]) == world_size:
         done += 1
-    out = {"steps_completed": done, "final_loss": None, "final_eval_loss": None, "final_eval_loss_per_rank": None,
-           "median_step_time_s": None, "median_comm_time_s": None}
+    out = {"steps_completed": done, "initial_loss": None, "final_loss": None, "final_eval_loss": None,
+           "final_eval_loss_per_rank": None, "median_step_time_s": None, "median_comm_time_s": None}
     if done:
         last = by_step[done - 1]
-        out["final_loss"] = last[0]["loss"]
+        out["initial_loss"], out["final_loss"] = by_step[0][0]["loss"], last[0]["loss"]
         evals = [s for s in range(done) if by_step[s][0].get("eval_loss") is not None]
         if evals:
             per_rank = {r: by_step[evals[-1]][r]["eval_loss"] for r in sorted(by_step[evals[-1]])}
@@ -221,6 +233,27 @@ def summarize_rows(rows, world_size):
         out["median_comm_time_s"] = statistics.median(comm) if comm else None
     out["nonfinite_received_total"] = sum(row.get("nonfinite_received") or 0 for row in rows)
     out["skipped_steps"] = sum(1 for row in rows if row["rank"] == 0 and row.get("skipped"))
+    out["lost_step_fraction"] = out["skipped_steps"] / done if done else None
+    out["sanitized_values"] = sum(row.get("sanitized") or 0 for row in rows)
+    # frozen: the last step every rank counted it; DDP replicas hold the same parameters (the worst one
+    # counts), PP stages different ones (they add up)
+    counted = [s for s in range(done) if all(r.get("frozen") is not None for r in by_step[s].values())]
+    out["frozen_values"] = None
+    if counted:
+        frozen = [r["frozen"] for r in by_step[counted[-1]].values()]
+        out["frozen_values"] = sum(frozen) if rows[0].get("mode") == "pp" else max(frozen)
+    initial = [r.get("initial_eval_loss") for r in by_step[0].values()] if done else []
+    out["initial_eval_loss"] = sum(initial) / len(initial) if initial and None not in initial else None
+    # without evals: the training loss of the last step against step 0's (taken before any update)
+    if out["initial_eval_loss"] is not None:
+        out["progress_basis"], first, last = "eval", out["initial_eval_loss"], out["final_eval_loss"]
+    else:
+        out["progress_basis"], first, last = "train", out["initial_loss"], out["final_loss"]
+    out["made_progress"] = made_progress(first, last)
+    # bytes a rank hands to the data link per step (mean over ranks: PP stages differ), median over steps
+    wire = [statistics.mean(r["wire_bytes"] for r in by_step[s].values()) for s in range(done)
+            if all(r.get("wire_bytes") is not None for r in by_step[s].values())]
+    out["wire_bytes_per_step"] = statistics.median(wire) if wire else None
     corrupted = [row.get("corrupted_values") for row in rows]
     out["corrupted_values_total"] = sum(c for c in corrupted if c is not None) if any(
         c is not None for c in corrupted) else None

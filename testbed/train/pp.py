@@ -1,10 +1,11 @@
 """Pipeline parallel training: one GPT-2 stage per rank, torch.distributed.pipelining (GPipe or 1F1B) over gloo.
 
-Activations (forward) and their gradients (backward) cross the data link between neighbouring stages. The
-stage counts the non-finite values it receives: activations entering stages > 0 (a forward pre-hook) and
-gradients arriving at the outputs of stages < last (a tensor hook). The loss exists on the last stage only;
-it is broadcast to every rank over the management group, as is the global gradient norm used for clipping,
-so that only pipeline traffic travels on the (possibly corrupted) data link.
+Activations (forward) and their gradients (backward) cross the data link between neighbouring stages, in the
+wire dtype (stages.WireCast). The stage counts the non-finite values it receives: activations entering stages
+> 0 (a forward pre-hook) and gradients arriving at the outputs of stages < last (a tensor hook); with guard
+sanitize the same hooks zero implausible values before the stage uses them. The loss exists on the last stage
+only; it is broadcast to every rank over the management group, as is the global gradient norm used for
+clipping, so that only pipeline traffic travels on the (possibly corrupted) data link.
 """
 
 import math
@@ -15,9 +16,10 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining import schedules as _schedules
 
+from testbed.train import recipe
 from testbed.train.data import get_batch, get_eval_batch
-from testbed.train.ddp import make_adamw, nonfinite
-from testbed.train.stages import split_stages
+from testbed.train.recipe import nonfinite
+from testbed.train.stages import WireCast, split_stages
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -52,41 +54,63 @@ class PPTrainer:
         self.first, self.last = rank == 0, rank == world_size - 1
         cfg = model.config
         self.module = split_stages(model, world_size)[rank]  # the other stages' tensors are freed with `model`
+        # what the data link carries: hidden states in the wire dtype (this stage computes in fp32)
+        dtype = recipe.WIRE_DTYPES[args.wire_dtype]
+        self.wire = WireCast(self.module, dtype)
         mb, T = args.batch_size // args.microbatches, args.seq_len
-        # Static shapes: no pickled metadata goes over the data link before the first step (torch still
-        # exchanges a 4-byte static/dynamic vote per neighbour once).
-        # (requires_grad on hidden states tells the stages that gradients flow back across the link)
-        example_in = (torch.zeros(mb, T, dtype=torch.long) if self.first
-                      else torch.zeros(mb, T, cfg.n_embd, requires_grad=True))
-        example_out = torch.zeros(mb, T, cfg.vocab_size if self.last else cfg.n_embd, requires_grad=True)
-        self.stage = PipelineStage(self.module, rank, world_size, torch.device("cpu"),
+
+        def examples(dtype):
+            # Static shapes: no pickled metadata goes over the data link before the first step (torch still
+            # exchanges a 4-byte static/dynamic vote per neighbour once). requires_grad on hidden states tells
+            # the stages that gradients flow back across the link (in the same dtype).
+            x = (torch.zeros(mb, T, dtype=torch.long) if self.first
+                 else torch.zeros(mb, T, cfg.n_embd, dtype=dtype, requires_grad=True))
+            out = (torch.zeros(mb, T, cfg.vocab_size, requires_grad=True) if self.last
+                   else torch.zeros(mb, T, cfg.n_embd, dtype=dtype, requires_grad=True))
+            return x, out
+
+        example_in, example_out = examples(dtype)
+        self.stage = PipelineStage(self.wire, rank, world_size, torch.device("cpu"),
                                    input_args=example_in, output_args=example_out)
         self.schedule = SCHEDULES[args.schedule](self.stage, args.microbatches, loss_fn=lm_loss)
-        # Evaluation runs the same stages over the management network (eval_group): it measures the model,
-        # not the link. Without such a group (tests on loopback) it shares the training pipeline.
+        # Evaluation runs the same stages over the management network (eval_group), in fp32: it measures the
+        # model, not the link. Without such a group (tests on loopback) it shares the training pipeline.
         self.eval_schedule = self.schedule
         if eval_group is not None:
-            eval_stage = PipelineStage(self.module, rank, world_size, torch.device("cpu"), input_args=example_in,
-                                       output_args=example_out, group=eval_group)
+            eval_in, eval_out = examples(torch.float32)
+            eval_stage = PipelineStage(self.module, rank, world_size, torch.device("cpu"), input_args=eval_in,
+                                       output_args=eval_out, group=eval_group)
             self.eval_schedule = ScheduleGPipe(eval_stage, args.microbatches, loss_fn=lm_loss)
-        self.opt = make_adamw(self.module.parameters(), args.lr)
+        self.opt = recipe.make_optimizer(self.module.parameters(), args)
         self.counting, self.step = False, 0
         self.stats = {}
         if not self.first:
-            self.module.register_forward_pre_hook(self._on_activations)
+            self.wire.register_forward_pre_hook(self._on_activations)
         if not self.last:
-            self.module.register_forward_hook(self._on_output)
+            self.wire.register_forward_hook(self._on_output)
 
     def named_parameters(self):
         return list(self.module.named_parameters())
+
+    def _received(self, t, key):
+        """Count a tensor received from the data link; sanitize it (guard sanitize). Returns the tensor to use."""
+        st, a = self.stats, self.args
+        st[key] += nonfinite(t)
+        st["received_elements"] += t.numel()
+        st["wire_bytes"] += t.numel() * t.element_size()
+        if a.guard == "sanitize":
+            t, n = recipe.sanitize(t, a.sanitize_threshold)
+            st["sanitized"] += n
+        return t
 
     def _on_activations(self, module, inputs):
         x = inputs[0]  # the activation buffer just received from the previous stage
         if self.counting:
             with torch.no_grad():
                 self.debug.corrupt(x, self.step)
-            self.stats["nonfinite_activations"] += nonfinite(x)
-            self.stats["received_elements"] += x.numel()
+                clean = self._received(x, "nonfinite_activations")
+                if clean is not x:
+                    x.copy_(clean)  # in place: the pipeline holds this leaf for the backward pass
 
     def _on_output(self, module, inputs, output):
         if self.counting and output.requires_grad:
@@ -94,8 +118,10 @@ class PPTrainer:
 
     def _on_output_grad(self, grad):
         # the gradient of this stage's output, just received from the next stage
-        self.stats["nonfinite_gradients"] += nonfinite(grad)
-        self.stats["received_elements"] += grad.numel()
+        if self.debug.active:  # test hook, on a copy: a tensor hook must not change its argument
+            grad = grad.clone()
+            self.debug.corrupt(grad, self.step)
+        return self._received(grad, "nonfinite_gradients")
 
     def _run(self, fn, x, y):
         """Call schedule.step/eval with the arguments this stage takes; returns the mean microbatch loss
@@ -114,7 +140,8 @@ class PPTrainer:
 
     def train_step(self, step):
         self.step = step
-        self.stats = {"nonfinite_activations": 0, "nonfinite_gradients": 0, "received_elements": 0}
+        self.stats = {"nonfinite_activations": 0, "nonfinite_gradients": 0, "received_elements": 0,
+                      "wire_bytes": 0, "sanitized": 0}
         a = self.args
         # every stage draws the same global batch (data-parallel rank 0); stage 0 uses x, the last uses y
         x, y = get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, 0)
@@ -126,24 +153,26 @@ class PPTrainer:
         finally:
             self.counting = False
         comm = _p2p_wait["seconds"] - wait0 if _p2p_wait["hooked"] else None
-        # global gradient norm over all stages, agreed over the management network, then clip
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        sq = torch.tensor([sum(float(g.pow(2).sum()) for g in grads)], dtype=torch.float64)
+        # global gradient norm over all stages, agreed over the management network
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        sq = torch.tensor([sum(float(p.grad.pow(2).sum()) for p in params)], dtype=torch.float64)
         self.mgmt.allreduce([sq]).wait()
         grad_norm = float(sq.sqrt())
         shared_loss = self._share_from_last(loss)
         # The norm and the loss are the same on every stage, so all stages skip (or take) the update together.
-        skipped = not (math.isfinite(grad_norm) and math.isfinite(shared_loss))
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(shared_loss)) and a.guard != "none"
+        lr = recipe.lr_at(step, a)
         if not skipped:
-            if a.grad_clip > 0:
-                coef = torch.clamp(a.grad_clip / (sq.sqrt() + 1e-6), max=1.0).float()
-                for g in grads:
-                    g.mul_(coef)
+            recipe.clip_(params, a, sq.sqrt()[0])
+            recipe.set_lr(self.opt, lr)
             self.opt.step()
         s = self.stats
-        return {"loss": shared_loss, "loss_local": loss, "grad_norm": grad_norm, "skipped": skipped,
+        return {"loss": shared_loss, "loss_local": loss, "grad_norm": grad_norm, "skipped": skipped, "lr": lr,
                 "comm_time_s": comm, "nonfinite_received": s["nonfinite_activations"] + s["nonfinite_gradients"],
                 **s}
+
+    def frozen_values(self):
+        return recipe.frozen_values(self.opt)
 
     def all_finite(self, value):
         return math.isfinite(value)  # losses are broadcast from the last stage: the same on every rank

@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 from testbed.train.model import PRESETS
 
-KINDS = (bool, int, float, str, list)  # list: of strings (comma-separated on a command line)
+# list: of strings; tuple: a fixed number of floats (tuple[float, float]); both comma-separated on a command line
+KINDS = (bool, int, float, str, list, tuple)
 
 
 def setting(default=MISSING, help="", *, choices=None, ge=None, gt=None, le=None, worker=True, file=True):
@@ -51,6 +52,7 @@ class Setting(NamedTuple):
     le: float | None
     worker: bool
     file: bool
+    length: int | None = None  # tuple: how many floats
 
     @property
     def flag(self):
@@ -60,6 +62,15 @@ class Setting(NamedTuple):
     def required(self):
         return self.default is MISSING
 
+    @property
+    def annotation(self):
+        """The value's full type (list[str], tuple[float, float], int, ...), for validators that check elements."""
+        return {list: list[str], tuple: tuple[(float,) * (self.length or 1)]}.get(self.kind, self.kind)
+
+    def text(self, value):
+        """`value` as written on a command line."""
+        return ",".join(map(str, value)) if self.kind in (list, tuple) else str(value)
+
     def problem(self, value):
         """What is wrong with `value` for this setting, or None."""
         if value is None:
@@ -68,9 +79,12 @@ class Setting(NamedTuple):
               int: lambda v: isinstance(v, int) and not isinstance(v, bool),
               float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
               str: lambda v: isinstance(v, str),
-              list: lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)}[self.kind]
+              list: lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+              tuple: lambda v: isinstance(v, (list, tuple)) and len(v) == self.length
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)}[self.kind]
         if not ok(value):
-            return f"must be {'a list of str' if self.kind is list else self.kind.__name__}, got {value!r}"
+            want = {list: "a list of str", tuple: f"{self.length} floats"}.get(self.kind, self.kind.__name__)
+            return f"must be {want}, got {value!r}"
         if self.choices and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, got {value!r}"
         for bound, holds, word in ((self.ge, lambda b: value >= b, ">="), (self.gt, lambda b: value > b, ">"),
@@ -89,10 +103,12 @@ def _kind(tp, name):
         if len(rest) != 1:
             raise TypeError(f"setting {name}: only X | None unions are supported, got {tp}")
         tp = rest[0]
-    kind = typing.get_origin(tp) or tp
-    if kind not in KINDS or (kind is list and typing.get_args(tp) not in ((), (str,))):
-        raise TypeError(f"setting {name}: type must be bool, int, float, str or list[str], got {tp}")
-    return kind, optional
+    kind, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+    if (kind not in KINDS or (kind is list and args not in ((), (str,)))
+            or (kind is tuple and (not args or set(args) != {float}))):
+        raise TypeError(f"setting {name}: type must be bool, int, float, str, list[str] or tuple[float, ...] "
+                        f"(a fixed number of floats), got {tp}")
+    return kind, optional, len(args) if kind is tuple else None
 
 
 def described(cls=None):
@@ -101,11 +117,11 @@ def described(cls=None):
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        kind, optional = _kind(hints[f.name], f.name)
+        kind, optional, length = _kind(hints[f.name], f.name)
         m = f.metadata
         default = f.default if f.default_factory is MISSING else f.default_factory()
         out.append(Setting(f.name, kind, optional, default, m.get("help", ""), m.get("choices"), m.get("ge"),
-                           m.get("gt"), m.get("le"), m.get("worker", True), m.get("file", True)))
+                           m.get("gt"), m.get("le"), m.get("worker", True), m.get("file", True), length))
     return out
 
 
@@ -120,9 +136,11 @@ def default_of(name, cls=None):
 def _argparse_type(s):
     def parse(text):
         try:
-            value = [x.strip() for x in text.split(",") if x.strip()] if s.kind is list else s.kind(text)
+            parts = [x.strip() for x in text.split(",") if x.strip()]
+            value = parts if s.kind is list else tuple(map(float, parts)) if s.kind is tuple else s.kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {s.kind.__name__}, got {text!r}") from None
+            want = f"{s.length} comma-separated floats" if s.kind is tuple else s.kind.__name__
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
         problem = s.problem(value)
         if problem:
             raise argparse.ArgumentTypeError(problem)
@@ -146,8 +164,7 @@ def add_arguments(parser, *, worker_only=False, cls=None):
             parser.add_argument(s.flag, action=argparse.BooleanOptionalAction, help=help, **kw)
             continue
         if s.default not in (MISSING, None):
-            shown = ",".join(s.default) if s.kind is list else s.default
-            help += f" (default: {shown})"
+            help += f" (default: {s.text(s.default)})"
         if s.choices:
             kw["choices"] = s.choices
         parser.add_argument(s.flag, type=_argparse_type(s), help=help,
@@ -170,8 +187,31 @@ class TrainSettings:
     batch_size: int = setting(8, "sequences per step per data-parallel rank (pp: the global batch, split into "
                                  "--microbatches)", ge=1)
     seq_len: int | None = setting(None, "tokens per sequence (default: the model's context)", ge=1)
-    lr: float = setting(1e-3, "learning rate (AdamW, constant)", gt=0)
-    grad_clip: float = setting(1.0, "global-norm gradient clipping; 0 disables", ge=0)
+    # the recipe; the defaults are nanoGPT's: AdamW (0.9, 0.95), decay 0.1 on matrices, norm clipping 1.0
+    optimizer: str = setting("adamw", "adamw, or sgd with --momentum", choices=("adamw", "sgd"))
+    lr: float = setting(1e-3, "peak learning rate (see --lr-schedule)", gt=0)
+    lr_schedule: str = setting("constant", "constant, or cosine: decays to 10% of --lr at the last step; both "
+                                           "after --warmup-steps of linear warmup", choices=("constant", "cosine"))
+    warmup_steps: int = setting(0, "steps of linear warmup: lr/K, 2lr/K, ... lr for K steps", ge=0)
+    betas: tuple[float, float] = setting((0.9, 0.95), "adamw: the moments' decay rates, each in [0, 1)")
+    eps: float = setting(1e-8, "adamw: added to the second moment's root", gt=0)
+    momentum: float = setting(0.9, "sgd: momentum (0: none)", ge=0, le=1)
+    weight_decay: float = setting(0.1, "weight decay on matrices (2-D parameters) only; decoupled for adamw, "
+                                       "added to the gradient for sgd", ge=0)
+    clip: str = setting("norm", "gradient clipping: norm (scale the gradients to global L2 norm <= "
+                                "--grad-clip), value (clamp every element to +-grad_clip) or none",
+                        choices=("norm", "value", "none"))
+    grad_clip: float = setting(1.0, "the bound of --clip; 0: no clipping (as --clip none)", ge=0)
+    guard: str = setting("skip", "a step whose loss or gradient norm is not finite: skip its update on every rank, "
+                                 "stop the run as diverged, none (apply it: Inf/NaN can reach the weights; diverged "
+                                 "when the loss is no longer finite) or sanitize (zero received values that are "
+                                 "not finite or exceed --sanitize-threshold, then skip as skip does)",
+                         choices=("skip", "stop", "none", "sanitize"))
+    sanitize_threshold: float = setting(1e3, "sanitize: received values of larger magnitude are zeroed; far above "
+                                             "clean DDP gradients (< 1) and PP activations (< ~10 here), far below "
+                                             "what a flip of the top exponent bits makes (x2^32 and more)", gt=0)
+    wire_dtype: str = setting("fp32", "dtype on the data link: DDP's gradient allreduce, PP's activations and "
+                                      "gradients", choices=("fp32", "bf16", "fp16"))
     eval_every: int = setting(0, "evaluate every K steps and after the last; 0: never", ge=0)
     eval_batches: int = setting(4, "fixed validation batches per evaluation", ge=1)
     schedule: str = setting("gpipe", "pp: pipeline schedule", choices=("gpipe", "1f1b"))
@@ -187,9 +227,6 @@ class TrainSettings:
     fingerprint_every: int = setting(1, "sha256 of the parameters every K steps and at the last; 0: never",
                                      ge=0)
     fingerprint_sample: int = setting(4096, "parameter coordinates sampled per step", ge=1)
-    nonfinite: str = setting("skip", "a step whose loss or gradient norm is not finite: skip its update on "
-                                     "every rank (as mixed-precision trainers do) or stop the run as diverged",
-                             choices=("skip", "stop"))
     max_skips: int = setting(0, "more consecutive skipped steps than this end the run as diverged; 0: no limit",
                              ge=0)
     save_final: bool | None = setting(None, "save final-rank{R}.pt (default: below 50M parameters per rank)")
@@ -206,9 +243,14 @@ class TrainSettings:
 
     def __post_init__(self):
         for s in described(type(self)):
-            problem = s.problem(getattr(self, s.name))
+            value = getattr(self, s.name)
+            problem = s.problem(value)
             if problem:
                 raise ValueError(f"{s.name}: {problem}")
+            if s.kind is tuple and isinstance(value, list):  # from a file or JSON: one spelling, hashable
+                object.__setattr__(self, s.name, tuple(value))
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: must be in [0, 1), got {self.betas!r}")
         context = PRESETS[self.model].n_positions
         if self.seq_len is not None and self.seq_len > context:
             raise ValueError(f"seq_len: must be <= {context} (the context of {self.model}), got {self.seq_len}")
@@ -225,5 +267,5 @@ class TrainSettings:
             if s.kind is bool:
                 argv.append(s.flag if value else "--no-" + s.flag[2:])
             else:
-                argv += [s.flag, ",".join(value) if s.kind is list else str(value)]
+                argv += [s.flag, s.text(value)]
         return argv

@@ -73,3 +73,17 @@ def split_stages(model, n_stages):
             head = (tr.ln_f, lm_head)
         stages.append(Stage(model.config, list(tr.h[lo:hi]), (tr.wte, tr.wpe) if first else None, head))
     return stages
+
+
+class WireCast(nn.Module):
+    """A stage as the data link sees it: hidden states arrive and leave in the wire dtype, the stage computes
+    in fp32. Gradients flow back through the casts, so they cross the link in the wire dtype too. Token ids
+    (stage 0's input) and logits (the last stage's output) never cross it. For fp32 both casts are no-ops."""
+
+    def __init__(self, stage, dtype):
+        super().__init__()
+        self.stage, self.dtype = stage, dtype
+
+    def forward(self, x):
+        h = self.stage(x if self.stage.wte is not None else x.float())
+        return h if self.stage.lm_head is not None else h.to(self.dtype)

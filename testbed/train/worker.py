@@ -14,6 +14,7 @@ failure), final-rank{R}.pt (parameters, for small models). Exit codes: see testb
 import argparse
 import datetime
 import faulthandler
+import math
 import os
 import re
 import socket
@@ -42,8 +43,11 @@ def build_parser():
     # test hooks: simulate what the wire could do, on one rank, inside the process (no network needed)
     p.add_argument("--debug-rank", type=int, default=-1, help="rank that applies --debug-* (default: the last)")
     p.add_argument("--debug-flip-step", type=int, default=None,
-                   help="flip one bit of one received value (ddp: allreduce result, pp: activation) at this step")
-    p.add_argument("--debug-flip-bit", type=int, default=0, help="bit to flip (0 = mantissa LSB, 30 = exponent MSB)")
+                   help="flip one bit of one received value (ddp: allreduce result, pp: activation; on stage 0 "
+                        "a gradient) at this step")
+    p.add_argument("--debug-flip-bit", type=int, default=0,
+                   help="bit to flip, of the value in the wire dtype (fp32: 0 = mantissa LSB, 30 = exponent MSB; "
+                        "bf16/fp16: 0-15, 14 = exponent MSB)")
     p.add_argument("--debug-nan-step", type=int, default=None, help="make one received value NaN at this step")
     return p
 
@@ -52,8 +56,8 @@ class DebugInjector:
     """Changes the largest element of a received tensor, once, at a chosen step, on one rank (test hook)."""
 
     def __init__(self, args, rank, world_size):
-        self.active = rank == (args.debug_rank % world_size)
         self.flip_step, self.bit, self.nan_step = args.debug_flip_step, args.debug_flip_bit, args.debug_nan_step
+        self.active = rank == (args.debug_rank % world_size) and (self.flip_step, self.nan_step) != (None, None)
         self.done = set()
 
     def corrupt(self, t, step):
@@ -64,8 +68,12 @@ class DebugInjector:
         i = int(flat.abs().argmax())  # the largest value: a flip there always changes the update
         if step == self.nan_step:
             flat[i] = float("nan")
-        else:
-            flat[i: i + 1].view(torch.int32).bitwise_xor_(1 << self.bit if self.bit < 31 else -(1 << 31))
+            return
+        width = 8 * t.element_size()  # 32 for fp32, 16 for bf16/fp16 on the wire
+        if not 0 <= self.bit < width:
+            raise ValueError(f"--debug-flip-bit {self.bit}: a {t.dtype} value has bits 0-{width - 1}")
+        bits = {32: torch.int32, 16: torch.int16}[width]
+        flat[i: i + 1].view(bits).bitwise_xor_(1 << self.bit if self.bit < width - 1 else -(1 << (width - 1)))
 
 
 # torch's layers that act on bytes from the data link, the most specific first. When one of them raises while
@@ -220,6 +228,8 @@ class Worker:
         self.log(f"{a.mode} {a.model}: {n_params:,} parameters on this rank, {a.steps} steps, "
                  f"batch {a.batch_size} x {a.seq_len}")
 
+        # the fixed validation batches before the first update: what made_progress compares the last eval with
+        initial_eval = trainer.eval_loss() if a.eval_every > 0 else None
         skipped_in_a_row = 0
         for step in range(a.steps):
             self.step = step
@@ -229,27 +239,24 @@ class Worker:
             eval_loss = None
             if a.eval_every > 0 and ((step + 1) % a.eval_every == 0 or step == a.steps - 1):
                 eval_loss = trainer.eval_loss()
+            skipped_in_a_row = skipped_in_a_row + 1 if m["skipped"] else 0
+            reason = self.divergence(trainer, m, eval_loss, skipped_in_a_row)
+            # frozen: at every eval and at the end of the run (cheap, but not free for 124M)
+            frozen = trainer.frozen_values() if eval_loss is not None or step == a.steps - 1 or reason else None
             t1 = time.perf_counter()
             fp = fingerprint(with_hash=a.fingerprint_every > 0 and (step % a.fingerprint_every == 0
                                                                      or step == a.steps - 1))
             row = {"step": step, "rank": self.rank, "world_size": self.world_size, "mode": a.mode,
-                   "model": a.model, "seed": a.seed, "time": time.time(), "lr": a.lr, "tokens": tokens_per_step,
-                   "eval_loss": eval_loss, "step_time_s": step_time, "corrupted_values": None, **m, **fp,
+                   "model": a.model, "seed": a.seed, "time": time.time(), "tokens": tokens_per_step,
+                   "eval_loss": eval_loss, "initial_eval_loss": initial_eval if step == 0 else None,
+                   "frozen": frozen, "step_time_s": step_time, "corrupted_values": None, **m, **fp,
                    "fingerprint_time_s": time.perf_counter() - t1}
             append_jsonl(common.metrics_path(self.run_dir, self.rank), row)
             self.log(f"step {step + 1}/{a.steps} loss {m['loss']:.4f}"
                      + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
                      + f" nonfinite {m['nonfinite_received']} corrupted {m.get('corrupted_values')}"
+                     + f" sanitized {m['sanitized']}" + (" skipped" if m["skipped"] else "")
                      + f" {step_time:.3f}s")
-            skipped_in_a_row = skipped_in_a_row + 1 if m["skipped"] else 0
-            reason = None
-            if m["skipped"] and a.nonfinite == "stop":
-                reason = f"non-finite loss or gradient at step {step} (loss {m['loss']}, grad norm {m['grad_norm']})"
-            elif a.max_skips and skipped_in_a_row > a.max_skips:
-                reason = (f"{skipped_in_a_row} consecutive steps with a non-finite loss or gradient were skipped "
-                          f"(up to step {step}; --max-skips {a.max_skips})")
-            elif eval_loss is not None and not trainer.all_finite(eval_loss):
-                reason = f"non-finite eval loss at step {step} ({eval_loss}): the parameters are no longer finite"
             if reason:
                 self.write_status("done", "diverged", common.EXIT_DIVERGED, reason)
                 return common.EXIT_DIVERGED
@@ -261,6 +268,21 @@ class Worker:
             os.replace(tmp, path)
         self.write_status("done", "ok", common.EXIT_OK, None)
         return common.EXIT_OK
+
+    def divergence(self, trainer, m, eval_loss, skipped_in_a_row):
+        """Why the run ends as diverged after this step, or None. Every rank decides the same at the same step:
+        the loss and the skip flag are agreed over the management network, and so is the eval check."""
+        a, step = self.args, self.step
+        if m["skipped"] and a.guard == "stop":
+            return f"non-finite loss or gradient at step {step} (loss {m['loss']}, grad norm {m['grad_norm']})"
+        if a.guard == "none" and not math.isfinite(m["loss"]):
+            return f"non-finite loss at step {step} ({m['loss']}; guard none applied every update)"
+        if a.max_skips and skipped_in_a_row > a.max_skips:
+            return (f"{skipped_in_a_row} consecutive steps with a non-finite loss or gradient were skipped "
+                    f"(up to step {step}; --max-skips {a.max_skips})")
+        if eval_loss is not None and not trainer.all_finite(eval_loss):
+            return f"non-finite eval loss at step {step} ({eval_loss}): the parameters are no longer finite"
+        return None
 
     def run_safely(self):
         try:
