@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from testbed.experiments.training import train
+from testbed.experiments.training import train  # noqa: E402
 from testbed.train.settings import TrainSettings  # noqa: E402
 from testbed.fileio import read_jsonl  # noqa: E402
 from testbed.topo import Topology  # noqa: E402
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = TrainSettings(mode="ddp", model="gpt2-124m", steps=args.steps, seed=1, batch_size=args.batch_size,
-                      seq_len=args.seq_len, timeout=120, stall_timeout=600, reference=False)
+                        seq_len=args.seq_len, timeout=120, stall_timeout=600, reference=False)
     conditions = [("no engine", {}), ("engine, BER 0", {"ber": 0.0, "scope": "tensor"}),
                   (f"engine, BER {args.ber:g}", {"ber": args.ber, "scope": "tensor"})]
     results: dict[str, dict] = {}

@@ -194,11 +194,11 @@ def test_ddp_training_across_containers(docker_client, worker_image, load_topolo
     """GPT-2 (tiny) DDP over gloo between two containers at BER 1e-5, tensor scope: the same `train` as for
     namespaces; the results record the runtime and the image digest."""
     from testbed.experiments.training import train
-from testbed.train.settings import TrainSettings
+    from testbed.train.settings import TrainSettings
 
     topo = load_topology("pair.yaml")
     cfg = TrainSettings(mode="ddp", model="tiny", steps=20, seed=1, batch_size=4, seq_len=32, timeout=15,
-                      stall_timeout=60, run_timeout=300)
+                        stall_timeout=60, run_timeout=300)
     s = train(topo, cfg, tmp_path / "run", ber=1e-5, scope="tensor", runtime="docker", log=lambda m: None)
     assert s["status"] == "ok", s
     assert s["steps_completed"] == 20 and s["bits_flipped"] > 0
