@@ -116,3 +116,125 @@ def test_line_index_covers_nested_paths():
     assert lines == {"": 1, "a": 1, "a.b": 2, "a.b[0]": 3, "a.b[0].x": 3, "a.b[1]": 4, "a.b[1].x": 4,
                      "a.b[1].y": 4, "c": 5, "c[0]": 5, "c[1]": 5}
     assert InputError("f.yaml", [("a.b[1].z", "unknown key")], lines).render() == "f.yaml:4: a.b[1].z: unknown key"
+
+
+# --- recipes and tokens per step -------------------------------------------------------------------------------
+
+RECIPES = GOOD.replace("  mode: [ddp]\n", "  recipe: [default, sanitize, protect, bf16]\n  mode: [ddp, pp]\n").replace(
+    "  ddp: " + str(PAIR), f"  ddp: {PAIR}\n  pp: {PAIR}") + """  lr: 0.001
+recipes:
+  sanitize: {train: {guard: sanitize, sanitize_threshold: 100.0}}
+  protect: {link: {protect: [sign, exponent], protected_ber: 1e-7}}
+  bf16: {description: bf16 on the wire, train: {wire_dtype: bf16}}
+"""
+
+
+def test_recipes_merge_over_train_and_name_their_points(tmp_path):
+    exp = Experiment.load(write(tmp_path, RECIPES))
+    ids = [p.id for p in exp.points()]
+    assert ids[:2] == ["ddp-ber0-tensor-fix-s1", "ddp-ber0-tensor-fix-sanitize-s1"]  # baselines first
+    assert "ddp-ber1e-5-tensor-fix-s1" in ids and "pp-ber1e-5-tensor-fix-bf16-s1" in ids and len(ids) == 16
+    point = next(p for p in exp.points() if p.id == "ddp-ber1e-5-tensor-fix-sanitize-s1")
+    assert point.baseline.id == "ddp-ber0-tensor-fix-sanitize-s1" and point.params()["recipe"] == "sanitize"
+    base = exp.train_settings(next(p for p in exp.points() if p.recipe == "default"))
+    cfg = exp.train_settings(point)
+    assert (cfg.guard, cfg.sanitize_threshold, cfg.lr, cfg.batch_size) == ("sanitize", 100.0, 0.001, 4)
+    # only the recipe's own settings differ from the file's train:
+    assert {k for k in vars(cfg) if getattr(cfg, k) != getattr(base, k)} == {"guard", "sanitize_threshold"}
+    protect = [p for p in exp.points() if p.recipe == "protect"]
+    assert exp.train_settings(protect[0]) == base
+    clean, noisy = (next(p for p in protect if p.mode == "ddp" and p.ber == b) for b in (0, 1e-5))
+    assert exp.link_settings(noisy) == {"protect": ["sign", "exponent"], "protected_ber": 1e-7, "element": "fp32"}
+    assert exp.link_settings(clean)["protected_ber"] == 0.0  # a clean baseline has no residual errors either
+    bf16 = next(p for p in exp.points() if p.recipe == "bf16")
+    assert exp.link_settings(bf16) == {"element": "bf16"} and exp.link_settings(point) == {}
+
+
+def test_fingerprints_are_per_recipe_and_unchanged_without_recipes(tmp_path):
+    import hashlib
+    import json
+
+    exp = Experiment.load(write(tmp_path, RECIPES, "recipes.yaml"))
+    more = RECIPES.replace("  bf16:", "  fp16: {train: {wire_dtype: fp16}}\n  bf16:")
+    one_more = Experiment.load(write(tmp_path, more, "more.yaml"))
+    fps = {r: exp.fingerprint(None, r) for r in ("default", "sanitize", "protect", "bf16")}
+    assert len(set(fps.values())) == 4
+    # adding a recipe does not invalidate the points of the others
+    assert all(one_more.fingerprint(None, r) == fp for r, fp in fps.items())
+    # the default recipe hashes like the same file without recipes, and that as it did before recipes existed
+    plain = Experiment.load(write(tmp_path, RECIPES.split("recipes:")[0].replace(
+        "recipe: [default, sanitize, protect, bf16]", "recipe: [default]"), "plain.yaml"))
+    assert plain.fingerprint() == fps["default"]
+    d = plain.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies", "recipes",
+                                       "tokens_per_step"})
+    d["topologies"] = {m: hashlib.sha256(PAIR.read_bytes()).hexdigest() for m in ("ddp", "pp")}
+    d["runtime"] = "netns"
+    assert plain.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def test_unknown_recipe_in_the_grid_names_the_line(tmp_path):
+    text = RECIPES.replace("recipe: [default, sanitize, protect, bf16]", "recipe: [default, sanitise]")
+    path = write(tmp_path, text)
+    with pytest.raises(InputError) as e:
+        Experiment.load(path)
+    line = text.splitlines().index("  recipe: [default, sanitise]") + 1
+    assert str(e.value) == (f"{path}:{line}: grid.recipe[1]: unknown recipe 'sanitise' (the file defines: default, "
+                            "sanitize, protect, bf16)")
+
+
+@pytest.mark.parametrize("recipe,where", [
+    ("{train: {lr: 0}}", "recipes.bad.train.lr: Input should be greater than 0"),
+    ("{train: {bacth: 2}}", "recipes.bad.train.bacth: unknown key"),
+    ("{train: {steps: 2}}", "recipes.bad.train.steps: unknown key"),  # set at the top, not in a recipe
+    ("{link: {protect: [sign, exponant]}}", "recipes.bad.link.protect[1]"),
+    ("{link: {protected_ber: 0.9}}", "recipes.bad.link.protected_ber: must lie in [0, 0.5]"),
+    ("{train: {microbatches: 3}}", "recipes.bad.train: pp: microbatches: must divide batch_size 4"),
+    ("{link: {protected_ber: 1e-4}}", "recipes.bad.link.protected_ber: must not exceed the grid's smallest BER"),
+    ("{color: red}", "recipes.bad.color: unknown key"),
+    ("{train: {wire_dtype: bf16}, link: {protect: [sign, 20]}}",
+     "recipes.bad.link.protect[1]: bit 20 is not a bit of a bf16 value (0-15)"),
+])
+def test_bad_recipes_name_the_field(tmp_path, recipe, where):
+    text = RECIPES.replace("recipe: [default, sanitize, protect, bf16]", "recipe: [default, bad]")
+    text += f"  bad: {recipe}\n"
+    with pytest.raises(InputError) as e:
+        Experiment.load(write(tmp_path, text))
+    line = str(e.value).splitlines()[0]
+    assert line.startswith(f"{tmp_path / 'exp.yaml'}:") and where in line, line
+    assert line.split(":")[1] == str(text.splitlines().index(f"  bad: {recipe}") + 1)  # the recipe's line
+
+
+def test_link_settings_need_scope_tensor(tmp_path):
+    text = RECIPES.replace("  ber: [0, 1e-5]", "  ber: [0, 1e-5]\n  scope: [tensor, payload]")
+    with pytest.raises(InputError, match=r"recipes\.protect\.link: element, protect and protected_ber need scope "
+                                         r"tensor \(the grid also runs scope tensor, payload\)"):
+        Experiment.load(write(tmp_path, text))
+
+
+def test_tokens_per_step_gives_each_mode_its_batch(tmp_path):
+    text = RECIPES.replace("  batch_size: 4\n", "  seq_len: 32\n")
+    text = text.replace("steps: 4\n", "steps: 4\ntokens_per_step: 512\n")
+    exp = Experiment.load(write(tmp_path, text))
+    by_mode = {p.mode: p for p in exp.points() if p.recipe == "default"}
+    assert exp.train_settings(by_mode["ddp"]).batch_size == 8  # 512 / (32 tokens x 2 ranks), per rank
+    assert exp.train_settings(by_mode["pp"]).batch_size == 16  # 512 / 32, the global batch
+    assert {exp.tokens_per_step(p) for p in exp.points()} == {512}
+    plain = Experiment.load(write(tmp_path, GOOD.replace("batch_size: 4", "batch_size: 4\n  seq_len: 32"), "p.yaml"))
+    assert plain.tokens_per_step(plain.points()[0]) == 4 * 32 * 2  # recorded without tokens_per_step too
+
+
+@pytest.mark.parametrize("change,problem", [
+    (("  batch_size: 4\n", "  seq_len: 32\n"), ("tokens_per_step: 500", "tokens_per_step: ddp: tokens_per_step 500 "
+                                                "is not a multiple of seq_len x ranks = 64")),
+    (("  batch_size: 4\n", "  seq_len: 32\n  microbatches: 4\n"),
+     ("tokens_per_step: 64", "tokens_per_step: pp: tokens_per_step 64 gives a batch of 2 sequences, not a multiple "
+                             "of 4 micro-batches")),
+    (("  batch_size: 4\n", "  batch_size: 4\n"), ("tokens_per_step: 512", "train.batch_size: tokens_per_step sets "
+                                                  "the batch size of every mode: set one of them, not both")),
+])
+def test_tokens_per_step_errors(tmp_path, change, problem):
+    setting, message = problem
+    text = RECIPES.replace(*change).replace("steps: 4\n", f"steps: 4\n{setting}\n")
+    with pytest.raises(InputError) as e:
+        Experiment.load(write(tmp_path, text))
+    assert message in str(e.value), str(e.value)

@@ -109,6 +109,27 @@ def test_two_point_experiment_outputs(tmp_path, runtime):
     assert r.returncode == 2 and "no results.jsonl" in r.stderr
 
 
+def test_a_recipe_reaches_the_engine_and_the_rows(tmp_path):
+    # one recipe, two points: the link protects sign and exponent, so only mantissa bits flip; equal tokens
+    extra = "recipes: {protect: {link: {protect: [sign, exponent]}}}\ntokens_per_step: 256\n"
+    f = experiment(tmp_path, "rcp", "0, 1e-4", extra=extra)
+    f.write_text(f.read_text().replace("grid: {mode: [ddp],", "grid: {recipe: [protect], mode: [ddp],")
+                 .replace("batch_size: 4, ", ""))
+    out = tmp_path / "out"
+    r = tb_cli("run", str(f), "--out", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = rows_of(out)
+    assert [x["point"] for x in rows] == ["ddp-ber0-tensor-fix-protect-s1", "ddp-ber1e-4-tensor-fix-protect-s1"]
+    for row in rows:
+        assert results.row_problems(row) == [] and row["recipe"] == "protect" and row["status"] == "ok"
+        assert (row["tokens_per_step"], row["batch_size"], row["protect"]) == (256, 4, "sign,exponent")
+    clean, noisy = rows
+    assert noisy["baseline"] == clean["point"] and clean["protected_ber"] is None
+    assert noisy["flips_mantissa"] > 0 and noisy["flips_sign"] == noisy["flips_exponent"] == 0
+    assert noisy["skipped_steps"] == 0 and noisy["made_progress"] in (True, False)
+    assert "| protect |" in (out / "report.md").read_text()
+
+
 def test_sigint_then_rerun_completes_only_missing_points(tmp_path):
     exp = experiment(tmp_path, "intr", "0, 1e-6, 1e-5", steps=6)
     out = tmp_path / "out"
@@ -157,7 +178,7 @@ def test_bad_experiment_file_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "topologies.pp" in r.stderr
 
 
-@pytest.mark.parametrize("file", ["quick.yaml", "paper-ddp.yaml", "paper-pp.yaml"])
+@pytest.mark.parametrize("file", ["quick.yaml", "recipes.yaml", "paper-ddp.yaml", "paper-pp.yaml"])
 def test_shipped_experiments_load(file):
     from testbed.experiments.spec import Experiment
 

@@ -123,3 +123,31 @@ def test_a_failed_set_up_gives_an_error_row(tmp_path, monkeypatch):
     assert results.row_problems(row) == []
     assert row["status"] == "error" and row["reason"] == "RuntimeError: no namespaces in this test"
     assert row["runtime"] == "netns" and row["steps_completed"] == 0
+
+
+def test_point_row_carries_the_recipe_tokens_and_engine_fields(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text(f"name: rows\nmodel: tiny\nsteps: {STEPS}\ntokens_per_step: 256\n"
+                 f"topologies: {{ddp: {ROOT}/topologies/pair.yaml}}\n"
+                 "recipes: {protect: {train: {guard: sanitize}, link: {protect: [sign, exponent]}}}\n"
+                 "grid: {recipe: [protect], mode: [ddp], ber: [0, 1e-5]}\ntrain: {seq_len: 32}\n")
+    exp = Experiment.load(f)
+    clean, noisy = exp.points()
+    _fake_run(tmp_path / "points" / noisy.id, drift=0.25, shift=0.5)
+    engine = {"flips_sign": 0, "flips_exponent": 0, "flips_mantissa": 3, "bits_exposed": 7_000}
+    summary = {**_summary(1e-5), "lost_step_fraction": 0.0, "sanitized_values": 2, "frozen_values": 0,
+               "initial_eval_loss": 6.2, "made_progress": True, "wire_bytes_per_step": 947_712.0,
+               "engines": [engine, {**engine, "flips_mantissa": 4}],
+               "config": {**_summary(1e-5)["config"], **vars(exp.train_settings(noisy))}}
+    row = runner.point_row(exp, noisy, summary, tmp_path / "points" / noisy.id, None)
+    row["fingerprint"] = exp.fingerprint(None, "protect")
+    assert results.row_problems(row) == []
+    assert (row["point"], row["baseline"], row["recipe"]) == ("ddp-ber1e-5-tensor-fix-protect-s1",
+                                                              "ddp-ber0-tensor-fix-protect-s1", "protect")
+    assert (row["tokens_per_step"], row["batch_size"], row["guard"], row["wire_dtype"]) == (256, 4, "sanitize", "fp32")
+    assert (row["protect"], row["element"], row["protected_ber"]) == ("sign,exponent", "fp32", None)
+    assert (row["flips_mantissa"], row["flips_sign"], row["bits_exposed"]) == (7, 0, 14_000)
+    assert (row["sanitized_values"], row["made_progress"], row["initial_eval_loss"]) == (2, True, 6.2)
+    # a summary from before these fields: nulls, never a KeyError
+    old = runner.point_row(exp, noisy, _summary(1e-5), tmp_path / "points" / noisy.id, None)
+    assert old["flips_sign"] is None and old["made_progress"] is None and old["lost_step_fraction"] is None

@@ -356,3 +356,147 @@ def test_kp4_decoding_monte_carlo():
 def test_markdown_tables_render():
     text = th.markdown_tables(bers=(1e-9, 1e-4), steps=10)
     assert "| 4 | 1e-04 |" in text and "kp4" in text
+
+
+# --- 5. recipes: wire dtypes, protection, guards ---------------------------------------------------------------
+
+def test_wire_formats_and_protected_positions():
+    assert [th.wire_bits(d) for d in ("fp32", "bf16", "fp16")] == [32, 16, 16]
+    assert th.field_positions("fp32") == {"mantissa": range(0, 23), "exponent": range(23, 31), "sign": range(31, 32)}
+    assert th.field_positions("bf16")["exponent"] == range(7, 15)
+    assert th.field_positions("fp16")["exponent"] == range(10, 15)
+    assert th.protected_positions("fp32", ["sign", "exponent"]) == frozenset(range(23, 32))
+    assert th.protected_positions("fp16", ["sign", 3]) == frozenset({15, 3})
+    rates = th.bit_error_rates(1e-4, "bf16", ["sign", "exponent"], 1e-6)
+    assert list(rates) == [1e-4] * 7 + [1e-6] * 9
+    with pytest.raises(ValueError):
+        th.protected_positions("bf16", [16])
+    with pytest.raises(ValueError):
+        th.protected_positions("fp32", ["exponant"])
+
+
+def test_flip_wire_matches_torch():
+    torch = pytest.importorskip("torch")
+    vals = np.concatenate([th.typical_gradient_values(256, 1e-3), th.typical_activation_values(256), [0.0, 1.0, 3.0]])
+    for dtype, tdt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        t = torch.tensor(vals, dtype=torch.float32).to(tdt)
+        assert np.array_equal(th.to_wire(vals, dtype), t.float().numpy().astype(np.float64))
+        for k in range(16):
+            words = t.view(torch.int16) ^ (1 << k if k < 15 else -(1 << 15))
+            with np.errstate(invalid="ignore"):
+                want = words.view(tdt).float().numpy().astype(np.float64)
+            assert np.array_equal(th.flip_wire(vals, k, dtype), want, equal_nan=True), (dtype, k)
+    with np.errstate(invalid="ignore"):  # flips make signalling NaNs
+        assert np.array_equal(th.flip_wire(vals, 30, "fp32"), th.flip_bit(vals, 30).astype(np.float64), equal_nan=True)
+
+
+def test_which_bits_lose_a_step_per_wire_dtype():
+    grads = th.typical_gradient_values(median_abs=1e-3, decades=0.5)  # all |g| < 2
+    for dtype in ("fp32", "bf16"):
+        # only the exponent MSB makes a gradient overflow the fp32 norm (x 2^128); one bit per value
+        o = th.bit_outcomes(grads, dtype)
+        msb = th.field_positions(dtype)["exponent"][-1]
+        assert o.bad[msb] == 1 and o.bad.sum() == pytest.approx(1, abs=1e-3) and o.nonfinite.sum() == 0
+    # fp16: the exponent MSB multiplies by 2^16, bounded by 65504 below 1; values in [1, 2) become Inf/NaN
+    assert np.all(np.abs(th.flip_wire(np.linspace(-0.999, 0.999, 999), 14, "fp16")) <= 65504)
+    assert np.all(~np.isfinite(th.flip_wire(np.linspace(1, 1.999, 99), 14, "fp16")))
+    assert th.bit_outcomes(grads, "fp16").bad.sum() < 0.01  # a gradient flip rarely reaches Inf in fp16
+    acts = th.typical_activation_values()
+    p_one_two = (math.erf(2 / math.sqrt(2)) - math.erf(1 / math.sqrt(2)))
+    assert th.bit_outcomes(acts, "fp16").nonfinite[14] == pytest.approx(p_one_two, rel=0.02)
+
+
+def test_lost_steps_are_the_union_over_ranks_and_hops_monte_carlo():
+    # element-level ring (gloo's order): every value crossing a hop is catastrophic with probability q; a step is
+    # lost when any rank's gradient holds one (the ranks agree to skip), the sanitizer zeroes each in every rank
+    n_ranks, chunk, trials = 3, 20, 3000
+    n = n_ranks * chunk
+    crossings = th.wire_values_per_step("ddp", n_ranks, n)["gradient"]
+    assert crossings == 2 * (n_ranks - 1) * n
+    q = 1.0 / crossings  # lambda = 1
+    lost, sanitized = 0, 0
+    for _ in range(trials):
+        wrong = simulate_ring_allreduce(n_ranks, chunk, q, RNG)
+        lost += bool(wrong.any())
+        sanitized += int(wrong.sum())
+    # the theory with a sample whose exponent MSB is the one bad bit per value: q per value = BER
+    pred = th.predict_recipe(q, "ddp", n_ranks, n_params=n, gradient_values=np.full(64, 1e-3))
+    assert pred.lost == pytest.approx(1.0, rel=1e-3) and pred.p_step_lost == pytest.approx(1 - math.exp(-1), rel=1e-3)
+    p = lost / trials
+    assert within(p, pred.p_step_lost, std=math.sqrt(p * (1 - p) / trials))
+    san = th.predict_recipe(q, "ddp", n_ranks, n_params=n, guard="sanitize", gradient_values=np.full(64, 1e-3))
+    assert san.p_step_lost == 0 and san.sanitized_per_step == pytest.approx(1.5 * n_ranks * (n_ranks - 1) * n * q)
+    assert within(sanitized / trials, san.sanitized_per_step, std=math.sqrt(san.sanitized_per_step * 3 / trials))
+
+
+def test_predict_recipe_known_numbers():
+    tiny = th.param_count("tiny")
+    kw = dict(n_params="tiny", steps=40)
+    ddp = th.predict_recipe(1e-6, "ddp", 2, **kw)
+    # science.md: tiny model on 2 ranks at 1e-6: lambda ~ 0.47, 38 % of the steps lost (the demo measured 36 %)
+    assert ddp.lost == pytest.approx(2 * tiny * 1e-6, rel=1e-3) and ddp.p_step_lost == pytest.approx(0.378, abs=0.002)
+    assert ddp.flips_per_step == pytest.approx(2 * tiny * 32 * 1e-6)
+    # bf16 halves the flips, not the catastrophic values: one exponent MSB per value either way
+    bf16 = th.predict_recipe(1e-6, "ddp", 2, wire_dtype="bf16", **kw)
+    assert bf16.lost == pytest.approx(ddp.lost, rel=1e-3)
+    assert bf16.flips_per_step == pytest.approx(ddp.flips_per_step / 2)
+    # sign and exponent protected: nothing catastrophic from the link but at the protected bits' residual rate
+    prot = dict(protect=["sign", "exponent"], **kw)
+    assert th.predict_recipe(1e-3, "ddp", 2, **prot).lost == 0
+    residual = th.predict_recipe(1e-3, "ddp", 2, protected_ber=1e-7, **prot)
+    assert residual.lost == pytest.approx(2 * tiny * 1e-7, rel=1e-3)
+    # guards: none skips nothing (norm clipping still zeroes the step); sanitize zeroes 1.5 values per hit (N = 2)
+    none = th.predict_recipe(1e-6, "ddp", 2, guard="none", **kw)
+    assert none.p_step_skipped == 0 and none.p_step_lost == ddp.p_step_lost and none.frozen_fraction is None
+    san = th.predict_recipe(1e-6, "ddp", 2, guard="sanitize", **kw)
+    assert san.p_step_lost == 0 and san.sanitized_per_step == pytest.approx(1.5 * ddp.lost, rel=0.01)  # + x2^16 > 1e3
+    stop = th.predict_recipe(1e-6, "ddp", 2, guard="stop", **kw)
+    assert stop.p_run_completes == pytest.approx(math.exp(-ddp.lost * 40))
+    # PP: activations forward and gradients backward at each boundary
+    pp = th.predict_recipe(1e-6, "pp", 4, batch_size=16, seq_len=64, width=64, steps=40)
+    assert pp.values_per_step == 2 * 3 * 16 * 64 * 64
+    assert pp.lost == pytest.approx(pp.values_per_step * 1e-6, rel=0.05) and 0 < pp.lost_forward < pp.lost
+    with pytest.raises(ValueError):
+        th.predict_recipe(1e-6, "ddp", 2, guard="ignore", **kw)
+
+
+def test_frozen_fraction_matches_the_estimate_and_monte_carlo():
+    # AdamW, guard none, no clipping: every catastrophic error reaching a rank's gradient freezes its element;
+    # 1.5 (N-1) b n per step and rank -> 1 - exp(-1.5 (N-1) b K) (science.md: 0.13 %, 1.3 %, 12.6 %)
+    for ber, expected in ((1e-6, 0.0013), (1e-5, 0.013), (1e-4, 0.126)):
+        f = th.predict_recipe(ber, "ddp", 4, n_params="gpt2-124m", guard="none", clip="none", steps=300).frozen_fraction
+        assert f == pytest.approx(1 - math.exp(-1.5 * 3 * ber * 300), rel=0.01)
+        assert f == pytest.approx(expected, rel=0.05)
+    # distinct elements hit by Poisson(h n) uniform hits per step over K steps
+    n, h, steps = 20_000, 2e-4, 300
+    hit = np.zeros(n, dtype=bool)
+    for _ in range(steps):
+        hit[RNG.integers(0, n, RNG.poisson(h * n))] = True
+    assert within(hit.sum(), n * float(th.frozen_fraction(h, steps)))
+    # with norm clipping an overflowing norm zeroes the gradient instead: nothing freezes
+    assert th.predict_recipe(1e-4, "ddp", 4, n_params="tiny", guard="none").frozen_fraction is None
+
+
+def test_mantissa_noise_bound_exact_and_monte_carlo():
+    b = 1e-2
+    for dtype in ("fp32", "bf16", "fp16"):
+        rates = th.bit_error_rates(b, dtype, ["sign", "exponent"])
+        # equality for x = +-2^E (f = 0): b sum_k 4^(k-m) = b (1 - 4^-m) / 3
+        powers = np.array([0.25, 0.5, 1.0, -2.0])
+        assert float(rates @ th.bit_outcomes(powers, dtype).rel_sq) == pytest.approx(th.mantissa_noise_bound(b, dtype))
+        # log-uniform magnitudes: below the bound, and E[(1+f)^-2] = 3 / (8 ln 2) times it
+        vals = (10.0 ** RNG.uniform(-3, 0, 20_000)).astype(np.float32)
+        got = float(rates @ th.bit_outcomes(vals, dtype).rel_sq)
+        assert got <= th.mantissa_noise_bound(b, dtype) and got == pytest.approx(
+            th.mantissa_noise_bound(b, dtype) * 3 / (8 * math.log(2)), rel=0.03)
+    # Monte Carlo: independent flips of the 23 fp32 mantissa bits with probability b
+    vals = (10.0 ** RNG.uniform(-3, 0, 200_000)).astype(np.float32)
+    flips = RNG.random((vals.size, 23)) < b
+    words = vals.view(np.uint32) ^ (flips * (1 << np.arange(23, dtype=np.uint32))).sum(axis=1).astype(np.uint32)
+    rel_sq = ((words.view(np.float32).astype(np.float64) - vals) / vals) ** 2
+    expected = float(th.bit_error_rates(b, "fp32", ["sign", "exponent"]) @ th.bit_outcomes(vals, "fp32").rel_sq)
+    assert within(rel_sq.mean(), expected, std=rel_sq.std() / math.sqrt(vals.size))
+    # the deviation from bounded noise grows as sqrt(BER)
+    devs = [th.predict_recipe(x, "ddp", 2, n_params="tiny", protect=["sign", "exponent"]).noise_deviation
+            for x in (1e-6, 1e-4)]
+    assert math.log10(devs[1] / devs[0]) == pytest.approx(1.0)  # two decades of BER, one of deviation

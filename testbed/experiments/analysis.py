@@ -5,18 +5,27 @@ drawing. The report (report.py) renders what these return; the definitions are w
   over its runs with status ok: a crashed run's last eval is from another step and is not comparable;
 - link counters (bits flipped and seen) sum over every run, and step time is the median over every run that
   reported one;
-- loss gap = mean eval loss - mean eval loss of the clean runs (BER 0, same mode/scope/checksum); positive is worse;
+- a grid point is a recipe, mode, scope, checksum and BER; its clean point has the same recipe at BER 0;
+- loss gap = mean eval loss - mean eval loss of the clean runs (BER 0, same config); positive is worse;
 - tolerance = max(`tolerance` x clean mean, `n_std` x the clean seeds' stdev): the larger of a relative margin
   and the run-to-run noise of the clean runs themselves;
 - a BER passes when every seed has status ok, every seed has an eval loss, and the gap is <= the tolerance.
   "Trains as well as clean up to B" = B and every tested BER below it pass; "fails from F" = the smallest
   failing BER. The true threshold lies in (B, F]; a BER above F that passes again is flagged non-monotonic.
+  A run that made no progress (its eval loss fell less than 1 %) fails its BER; clean runs that made none leave
+  no baseline;
+- lost steps: skipped updates / completed steps, pooled over the seeds (steps are independent trials), with a
+  Clopper-Pearson interval; the theory's fraction (theory.predict_recipe) agrees when it lies inside it;
+- the theory's tolerated BER: lost steps cost time (the time-shift model: a run that lost a fraction f of its
+  K steps ends where the clean run was at step (1-f) K, on the clean runs' mean training-loss curve), so it is
+  the BER at which 1 - exp(-lambda) reaches the largest f whose time shift stays within the tolerance.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -25,13 +34,15 @@ from scipy import stats
 from ..train.model import PRESETS
 from . import theory
 from .formatting import fmt_loss, status_text
-from .results import (SETUP_FIELDS, STATUSES, ber_of, config_of, config_sort_key, configs, finite, is_ok,
-                      positive)
+from .results import (SETUP_FIELDS, STATUSES, ber_of, config_key, config_of, config_sort_key, configs, finite,
+                      is_ok, positive, recipe_of, recipe_settings)
 
 DEFAULT_TOLERANCE, DEFAULT_N_STD = 0.02, 3.0
 # Published analysis (GPT-2 124M): DDP trained as well as clean below BER 1e-4, PP needed BER below 1e-5
 PUBLISHED_TOLERATED_BER = {"ddp": 1e-4, "pp": 1e-5}
 LATENCY_STATS = ("p50_us", "p99_us", "mean_us")
+CONFIDENCE = 0.95  # of the binomial intervals on measured fractions
+PROGRESS_MARGIN = 0.01  # made progress: the last eval loss at least 1 % below the initial one (as launch.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -45,6 +56,47 @@ def skipped_fraction(row: dict) -> float | None:
     if skipped is None or not steps:
         return None
     return skipped / steps
+
+
+def lost_steps(row: dict) -> tuple[int, int] | None:
+    """(updates lost, steps completed) of a run: skipped_steps, else lost_step_fraction x steps."""
+    steps = finite(row.get("steps_completed"))
+    if not steps:
+        return None
+    skipped = finite(row.get("skipped_steps"))
+    if skipped is None and finite(row.get("lost_step_fraction")) is not None:
+        skipped = round(row["lost_step_fraction"] * steps)
+    return None if skipped is None else (int(skipped), int(steps))
+
+
+def made_progress(row: dict) -> bool | None:
+    """The row's made_progress; for rows without it, the last eval loss against the initial one (or the first
+    training loss, taken before any update), at least PROGRESS_MARGIN lower. None when unknown."""
+    if row.get("made_progress") is not None:
+        return bool(row["made_progress"])
+    start = finite(row.get("initial_eval_loss"))
+    curve = row.get("loss_curve")
+    if start is None and isinstance(curve, list) and curve:
+        start = finite(curve[0])
+    end = finite(row.get("final_eval_loss"))
+    if start is None or row.get("final_eval_loss") is None:
+        return None
+    return end is not None and end < start * (1 - PROGRESS_MARGIN)
+
+
+def clopper_pearson(k: int, n: int, level: float = CONFIDENCE) -> tuple[float, float]:
+    """Exact binomial interval of a fraction k/n: the beta quantiles (Clopper and Pearson, 1934)."""
+    a = (1 - level) / 2
+    lo = float(stats.beta.ppf(a, k, n - k + 1)) if k > 0 else 0.0
+    hi = float(stats.beta.ppf(1 - a, k + 1, n - k)) if k < n else 1.0
+    return lo, hi
+
+
+def poisson_interval(k: int, level: float = CONFIDENCE) -> tuple[float, float]:
+    """Exact interval of a Poisson mean from a count k (Garwood)."""
+    a = (1 - level) / 2
+    lo = float(stats.chi2.ppf(a, 2 * k) / 2) if k > 0 else 0.0
+    return lo, float(stats.chi2.ppf(1 - a, 2 * k + 2) / 2)
 
 
 def run_setup(rows: list[dict], mode: str) -> dict:
@@ -69,6 +121,36 @@ def theory_deviation(bers, setup: dict) -> np.ndarray | None:
     est = theory.weight_deviation_estimate(np.asarray(bers, dtype=float), int(n_params), int(steps), float(lr),
                                            "adamw", grad_clip=1.0 if clip is None else float(clip), n_ranks=n_ranks)
     return np.atleast_1d(np.asarray(est, dtype=float))
+
+
+def predict_point(point: dict, train: dict | None = None, ber: float | None = None) -> theory.RecipePrediction | None:
+    """theory.predict_recipe for an aggregated point (its recipe settings, setup and BER; `train`: the experiment
+    file's train: for what rows lack), or None when the setup does not say enough (model, ranks, PP's batch)."""
+    t = {k: v for k, v in (train or {}).items() if v is not None}
+    get = lambda k: point.get(k) if point.get(k) is not None else t.get(k)  # noqa: E731
+    model, world = get("model"), get("world_size")
+    if model not in PRESETS or not world or int(world) < 2:
+        return None
+    preset = PRESETS[model]
+    seq = int(get("seq_len") or preset.n_positions)
+    batch = int(get("batch_size") or 8)
+    if point.get("mode") == "ddp":
+        shape = {"n_params": int(get("n_params") or theory.param_count(model))}
+    elif point.get("mode") == "pp":
+        shape = {"batch_size": batch, "seq_len": seq, "width": preset.n_embd}
+    else:
+        return None
+    clip, grad_clip = point.get("clip") or "norm", get("grad_clip")
+    try:
+        return theory.predict_recipe(
+            point["ber"] if ber is None else ber, point["mode"], int(world), **shape,
+            wire_dtype=point.get("wire_dtype") or "fp32", protect=point.get("protect"),
+            protected_ber=point.get("protected_ber") or 0.0, guard=point.get("guard") or "skip", clip=clip,
+            grad_clip=1.0 if grad_clip is None else float(grad_clip), optimizer=point.get("optimizer") or "adamw",
+            sanitize_threshold=point.get("sanitize_threshold") or 1e3, steps=int(get("steps") or 100),
+            lr=float(get("lr") or 1e-3))
+    except (ValueError, TypeError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -101,16 +183,32 @@ def sum_or_none(values: list[float]) -> float | int | None:
     return int(total) if all(float(v).is_integer() for v in values) else total
 
 
+def _mean_curve(curves: list) -> list[float | None]:
+    """Per step, the mean of the curves' finite values (None where none is)."""
+    curves = [c for c in curves if isinstance(c, list)]
+    out = []
+    for step in range(max((len(c) for c in curves), default=0)):
+        vals = [v for c in curves if step < len(c) and (v := finite(c[step])) is not None]
+        out.append(_mean(vals))
+    return out
+
+
 def _aggregate_point(group: list[dict]) -> dict:
-    """The statistics of one grid point (one mode/scope/checksum/BER, all its seeds)."""
+    """The statistics of one grid point (one recipe/mode/scope/checksum/BER, all its seeds)."""
     ok = [r for r in group if is_ok(r)]
     evals = values_of(ok, "final_eval_loss")
     flipped, seen = sum_or_none(values_of(group, "bits_flipped")), sum_or_none(values_of(group, "bits_seen"))
     step_times = values_of(group, "median_step_time_s", positive)
     first = group[0]
+    lost = [x for r in group if (x := lost_steps(r)) is not None]
+    sanitized = [(int(r["sanitized_values"]), int(r["steps_completed"])) for r in group
+                 if finite(r.get("sanitized_values")) is not None and finite(r.get("steps_completed"))]
+    frozen = [r["frozen_values"] / r["n_params"] for r in ok
+              if finite(r.get("frozen_values")) is not None and finite(r.get("n_params"))]
+    progress = [made_progress(r) for r in ok]
     point = {
-        "mode": first.get("mode"), "scope": first.get("scope"), "checksum": first.get("checksum"),
-        "ber": ber_of(first),
+        "recipe": recipe_of(first), "mode": first.get("mode"), "scope": first.get("scope"),
+        "checksum": first.get("checksum"), "ber": ber_of(first),
         "n_seeds": len(group), "seeds": sorted(r.get("seed") for r in group if r.get("seed") is not None),
         "statuses": _status_counts(group), "n_ok": len(ok), "all_ok": len(ok) == len(group),
         "eval_loss_mean": _mean(evals), "eval_loss_std": _stdev(evals), "eval_loss_n": len(evals),
@@ -122,23 +220,42 @@ def _aggregate_point(group: list[dict]) -> dict:
         "bits_flipped_total": flipped, "bits_seen_total": seen,
         "realized_ber": flipped / seen if flipped is not None and seen else None,
         "median_step_time_s": float(np.median(step_times)) if step_times else None,
+        "lost_steps_total": sum(k for k, _ in lost) if lost else None,
+        "lost_steps_of": sum(n for _, n in lost) if lost else None,
+        "sanitized_total": sum(k for k, _ in sanitized) if sanitized else None,
+        "sanitized_steps": sum(n for _, n in sanitized) if sanitized else None,
+        "frozen_fraction_mean": _mean(frozen),
+        "no_progress": sum(1 for x in progress if x is False),
+        "tokens_per_step": next((r["tokens_per_step"] for r in group if r.get("tokens_per_step")), None),
+        "loss_curve_mean": _mean_curve([r.get("loss_curve") for r in ok]),
+        **recipe_settings(first),
     }
+    k, n = point["lost_steps_total"], point["lost_steps_of"]
+    point["lost_fraction"] = k / n if n else None
+    point["lost_fraction_ci"] = clopper_pearson(k, n) if n else None
     for key in SETUP_FIELDS:
         point[key] = next((r[key] for r in group if r.get(key) is not None), None)
     return point
 
 
-def aggregate(rows: list[dict]) -> list[dict]:
-    """One dict per (mode, scope, checksum, BER), in grid order, with the loss gap against the clean point of the
-    same mode/scope/checksum (None when that has no ok run with an eval loss)."""
+def point_config(point: dict) -> tuple:
+    """(mode, scope, checksum, recipe) of an aggregated point."""
+    return (point["mode"], point["scope"], point["checksum"], point["recipe"])
+
+
+def aggregate(rows: list[dict], train: dict | None = None) -> list[dict]:
+    """One dict per (recipe, mode, scope, checksum, BER), in grid order, with the loss gap against the clean point
+    of the same config (None when that has no ok run with an eval loss) and the theory's prediction
+    (`prediction`: theory.RecipePrediction or None; `train`: the experiment's train: for what rows lack)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((*config_of(r), ber_of(r)), []).append(r)
-    points = [_aggregate_point(g) for _, g in sorted(groups.items(), key=lambda kv: (*config_sort_key(kv[0][:3]),
-                                                                                         kv[0][3]))]
-    clean = {(p["mode"], p["scope"], p["checksum"]): p for p in points if p["ber"] == 0}
+    points = [_aggregate_point(g) for _, g in sorted(groups.items(), key=lambda kv: (*config_sort_key(kv[0][:4]),
+                                                                                         kv[0][4]))]
+    clean = {point_config(p): p for p in points if p["ber"] == 0}
     for p in points:
-        base = clean.get((p["mode"], p["scope"], p["checksum"]))
+        p["prediction"] = predict_point(p, train)
+        base = clean.get(point_config(p))
         p["clean_eval_loss_mean"] = base["eval_loss_mean"] if base else None
         p["clean_eval_loss_std"] = base["eval_loss_std"] if base else None
         gap_ok = p["eval_loss_mean"] is not None and p["clean_eval_loss_mean"] is not None
@@ -149,7 +266,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def _config_key(point: dict) -> str:
-    return f"{point['mode']}/{point['scope']}/{point['checksum']}"
+    return config_key(point_config(point))
 
 
 def _failure_reason(point: dict, tolerance_abs: float) -> str | None:
@@ -159,6 +276,8 @@ def _failure_reason(point: dict, tolerance_abs: float) -> str | None:
         return ", ".join(f"{n} {s}" for s, n in failed.items())
     if point["eval_loss_n"] < point["n_seeds"]:
         return f"{point['n_seeds'] - point['eval_loss_n']} ok run(s) without an eval loss"
+    if point["no_progress"]:
+        return f"{point['no_progress']} ok run(s) made no progress"
     if point["loss_gap"] > tolerance_abs:
         return f"eval-loss gap +{fmt_loss(point['loss_gap'])} > tolerance {fmt_loss(tolerance_abs)}"
     return None
@@ -194,9 +313,10 @@ def theory_threshold(mode: str, checksum: str | None, setup: dict) -> tuple[floa
 
 def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, n_std: float = DEFAULT_N_STD,
                train: dict | None = None) -> dict[str, dict]:
-    """Per 'mode/scope/checksum': the largest BER up to which training is as good as clean, the smallest BER at
-    which it fails, why, and the theory's and the published thresholds (see the module docstring).
-    `train` (the experiment's train: section) supplies batch_size/seq_len for PP when rows lack them."""
+    """Per config ('mode/scope/checksum', '/RECIPE' appended for a recipe other than the default): the largest
+    BER up to which training is as good as clean, the smallest BER at which it fails, why, the theory's
+    thresholds and the published one (see the module docstring). `train` (the experiment's train: section)
+    supplies batch_size/seq_len for PP when rows lack them."""
     out: dict[str, dict] = {}
     for key in dict.fromkeys(_config_key(p) for p in agg):
         points = [p for p in agg if _config_key(p) == key]
@@ -206,10 +326,86 @@ def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, n_std: flo
         result = _threshold_of(points, clean, tolerance, n_std)
         result["theory_ber"], result["theory_basis"] = theory_threshold(points[0]["mode"], points[0]["checksum"],
                                                                         setup)
-        result.update(mode=points[0]["mode"], scope=points[0]["scope"], checksum=points[0]["checksum"],
-                      steps=setup.get("steps"), published_ber=PUBLISHED_TOLERATED_BER.get(points[0]["mode"]))
+        result.update(theory_tolerated(points, clean, result["tolerance_abs"], train))
+        if result["theory_note"] and result["theory_lost_ber"] == math.inf:
+            # no catastrophic value costs this recipe a step: the per-rank count does not apply
+            result["theory_ber"], result["theory_basis"] = None, result["theory_note"]
+        result.update(recipe=points[0]["recipe"], mode=points[0]["mode"], scope=points[0]["scope"],
+                      checksum=points[0]["checksum"], steps=setup.get("steps"),
+                      tokens_per_step=next((p["tokens_per_step"] for p in points if p["tokens_per_step"]), None),
+                      published_ber=PUBLISHED_TOLERATED_BER.get(points[0]["mode"]))
         out[key] = result
     return out
+
+
+def time_shift_fraction(curve: list, tolerance_abs: float | None) -> float | None:
+    """The largest fraction f of lost steps whose time shift stays within the tolerance: on the clean mean
+    training-loss curve (trailing mean over K/10 steps), L((1-f) K) - L(K) <= tolerance for every smaller f.
+    1.0 when even losing every step stays within it; None without a usable curve."""
+    vals = np.array([np.nan if finite(v) is None else v for v in curve or []], dtype=float)
+    if tolerance_abs is None or len(vals) < 10 or not np.isfinite(vals[-1]):
+        return None
+    window = max(3, len(vals) // 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # windows without a finite value stay NaN
+        smooth = np.array([np.nanmean(vals[max(0, i - window + 1): i + 1]) for i in range(len(vals))])
+    end, steps = smooth[-1], len(vals)
+    for j in range(1, steps):
+        if not smooth[steps - 1 - j] - end <= tolerance_abs:
+            return (j - 1) / steps
+    return 1.0
+
+
+def theory_tolerated(points: list[dict], clean: dict | None, tolerance_abs: float | None,
+                     train: dict | None = None) -> dict:
+    """The theory's verdict for one config: `theory_lost_ber`, the BER at which one update per step is expected
+    lost (lambda = 1: 1 - exp(-1) = 63 % of steps), `time_shift_fraction` (f*), and `theory_tolerated_ber`, the
+    BER at which 1 - exp(-lambda) = f*; inf when the recipe loses no steps at any BER, None when unknown.
+    `theory_note` says what the recipe does instead when it loses no steps."""
+    ref = next((p for p in points if p["ber"] > 0), points[0])
+    low, high = predict_point(ref, train, 1e-6), predict_point(ref, train, 2e-6)
+    out = {"theory_lost_ber": None, "theory_tolerated_ber": None, "time_shift_fraction": None, "theory_note": None,
+           "theory_ending_ber": None}
+    if low is None or high is None:
+        out["theory_note"] = "no prediction: the rows lack the model, the ranks or the batch"
+        return out
+    lam = lambda p: -math.log1p(-min(p.p_step_lost, 1 - 1e-12))  # noqa: E731
+    slope = (lam(high) - lam(low)) / 1e-6
+    base = lam(low) - slope * 1e-6  # lost steps that do not depend on the BER (protected bits' residual)
+    # run-ending events (guard stop, Inf/NaN under guard none): the BER at which half the runs end early
+    end = lambda p: -math.log(max(p.p_run_completes, 1e-300))  # noqa: E731
+    end_slope = (end(high) - end(low)) / 1e-6
+    ending = max(0.0, (math.log(2) - (end(low) - end_slope * 1e-6)) / end_slope) if end_slope > 0 else math.inf
+    f = time_shift_fraction(clean and clean["loss_curve_mean"], tolerance_abs)
+    out["time_shift_fraction"], out["theory_ending_ber"] = f, ending
+    if slope <= 0:
+        out["theory_lost_ber"] = math.inf
+        out["theory_tolerated_ber"] = ending
+        out["theory_note"] = _no_lost_steps_note(ref, predict_point(ref, train), ending)
+        return out
+    out["theory_lost_ber"] = max(0.0, (1 - base) / slope)
+    if f is not None:
+        lost = math.inf if f >= 1 else max(0.0, (-math.log1p(-f) - base) / slope)
+        out["theory_tolerated_ber"] = min(lost, ending)
+    return out
+
+
+def _no_lost_steps_note(point: dict, pred: theory.RecipePrediction | None, ending: float = math.inf) -> str:
+    """What a recipe that loses no steps does with the catastrophic values (the theory's words)."""
+    if point.get("guard") == "sanitize":
+        text = "no lost steps: values above the sanitize threshold are zeroed"
+    elif point.get("protect"):
+        text = "no lost steps: the link protects " + ", ".join(map(str, point["protect"]))
+    elif point.get("guard") == "none":
+        text = "no lost steps: guard none applies every update"
+    else:
+        text = "no lost steps predicted"
+    if pred is not None and pred.frozen_fraction:
+        text += f"; {100 * pred.frozen_fraction:.2g} % of the elements frozen at BER {pred.ber:.0e}"
+    if math.isfinite(ending):
+        text += (f"; but half the runs end early (Inf/NaN reach the weights, or the guard stops) from BER "
+                 f"{ending:.2g}")
+    return text
 
 
 def _threshold_of(points: list[dict], clean: dict | None, tolerance: float, n_std: float) -> dict:
@@ -219,10 +415,13 @@ def _threshold_of(points: list[dict], clean: dict | None, tolerance: float, n_st
               "clean_eval_loss_std": clean and clean["eval_loss_std"],
               "tolerance_abs": None, "passing_bers": [], "failing": {}, "max_ok_ber": None, "min_fail_ber": None,
               "non_monotonic": False, "note": None}
-    if clean is None or not clean["all_ok"] or clean["eval_loss_mean"] is None:
+    if clean is None or not clean["all_ok"] or clean["eval_loss_mean"] is None or clean["no_progress"]:
         result["note"] = ("no clean (BER 0) point" if clean is None else
                           f"the clean runs are not all ok ({status_text(clean['statuses'])}), so there is no "
-                          "baseline to compare with")
+                          "baseline to compare with" if not clean["all_ok"] else
+                          "the clean runs have no eval loss" if clean["eval_loss_mean"] is None else
+                          f"{clean['no_progress']} clean run(s) made no progress, so there is no baseline that "
+                          "learned")
         return result
     if not tested:
         result["note"] = "no BER > 0 was run"
@@ -240,6 +439,94 @@ def _threshold_of(points: list[dict], clean: dict | None, tolerance: float, n_st
     result["max_ok_ber"] = max(below) if below else None
     result["non_monotonic"] = bool(failing) and any(b > failing[0] for b in result["passing_bers"])
     return result
+
+
+def interval(t: dict) -> tuple[float, float]:
+    """Where a config's threshold lies, (max_ok, min_fail]: 0 when no BER passed, inf when none failed."""
+    return (t["max_ok_ber"] or 0.0, t["min_fail_ber"] if t["min_fail_ber"] is not None else math.inf)
+
+
+def published_verdict(t: dict) -> str | None:
+    """'more tolerant', 'more fragile' or 'consistent' against the published threshold of t's mode."""
+    pub, ok, fail = t["published_ber"], t["max_ok_ber"], t["min_fail_ber"]
+    if pub is None or t["tolerance_abs"] is None or not t["tested_bers"]:
+        return None
+    if ok is not None and ok >= pub:
+        return "more tolerant"
+    if fail is not None and fail < pub:
+        return "more fragile"
+    return "consistent"
+
+
+def orderings(th: dict[str, dict]) -> list[dict]:
+    """Per recipe (and scope/checksum) with a DDP and a PP threshold: which mode tolerates more, measured and by
+    the theory, whether that is the published ordering (DDP more tolerant than PP) and the published numbers,
+    and whether both modes trained on the same tokens per step."""
+    out = []
+    by_rest: dict[tuple, dict] = {}
+    for t in th.values():
+        by_rest.setdefault((t["recipe"], t["scope"], t["checksum"]), {})[t["mode"]] = t
+    for (recipe, scope, checksum), modes in by_rest.items():
+        ddp, pp = modes.get("ddp"), modes.get("pp")
+        if ddp is None or pp is None:
+            continue
+        usable = all(t["tolerance_abs"] is not None and t["tested_bers"] for t in (ddp, pp))
+        measured = None
+        if usable:
+            (d_lo, d_hi), (p_lo, p_hi) = interval(ddp), interval(pp)
+            measured = "ddp" if d_lo >= p_hi else "pp" if p_lo >= d_hi else "same"
+        d_th, p_th = ddp.get("theory_tolerated_ber"), pp.get("theory_tolerated_ber")
+        predicted = None
+        if d_th is not None and p_th is not None:
+            predicted = "same" if d_th == p_th or (math.isinf(d_th) and math.isinf(p_th)) else (
+                "ddp" if d_th > p_th else "pp")
+        tokens = (ddp.get("tokens_per_step"), pp.get("tokens_per_step"))
+        out.append({"recipe": recipe, "scope": scope, "checksum": checksum, "measured": measured,
+                    "predicted": predicted, "published_order": measured == "ddp",
+                    "published_numbers": published_verdict(ddp) == "consistent" == published_verdict(pp),
+                    "verdicts": {"ddp": published_verdict(ddp), "pp": published_verdict(pp)},
+                    "tokens_per_step": tokens, "matched_tokens": None if None in tokens else tokens[0] == tokens[1]})
+    return out
+
+
+def theory_comparison(agg: list[dict]) -> list[dict]:
+    """Per BER > 0 point with a prediction: the measured lost-step fraction (pooled over seeds, Clopper-Pearson
+    interval), sanitized values per step (Poisson interval) and frozen fraction next to the theory's, each with
+    a verdict: 'agrees' (the prediction lies in the interval), 'above' or 'below' (the measurement is)."""
+    out = []
+    for p in agg:
+        pred = p["prediction"]
+        if pred is None or p["ber"] == 0:
+            continue
+        row = {"recipe": p["recipe"], "mode": p["mode"], "scope": p["scope"], "checksum": p["checksum"],
+               "ber": p["ber"], "prediction": pred, "lost": None, "sanitized": None, "frozen": None}
+        if p["lost_fraction_ci"] is not None:
+            row["lost"] = _verdict(p["lost_fraction"], p["lost_fraction_ci"], pred.p_step_skipped,
+                                   k=p["lost_steps_total"], n=p["lost_steps_of"])
+        if p["sanitized_steps"] and (p["guard"] == "sanitize" or p["sanitized_total"]):
+            lo, hi = poisson_interval(p["sanitized_total"])
+            n = p["sanitized_steps"]
+            row["sanitized"] = _verdict(p["sanitized_total"] / n, (lo / n, hi / n), pred.sanitized_per_step,
+                                        k=p["sanitized_total"], n=n)
+        if p["frozen_fraction_mean"] is not None and pred.frozen_fraction is not None:
+            m = p["frozen_fraction_mean"]
+            row["frozen"] = {"measured": m, "predicted": pred.frozen_fraction, "ci": None,
+                             "verdict": "agrees" if _within_factor(m, pred.frozen_fraction, 2) else
+                             "above" if m > pred.frozen_fraction else "below"}
+        out.append(row)
+    return out
+
+
+def _verdict(measured: float, ci: tuple[float, float], predicted: float, **counts) -> dict:
+    lo, hi = ci
+    verdict = "agrees" if lo <= predicted <= hi else "above" if measured > predicted else "below"
+    return {"measured": measured, "ci": ci, "predicted": predicted, "verdict": verdict, **counts}
+
+
+def _within_factor(a: float, b: float, factor: float) -> bool:
+    if a == b == 0:
+        return True
+    return a > 0 and b > 0 and 1 / factor <= a / b <= factor
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -268,14 +555,30 @@ def deviation_fits(rows: list[dict]) -> dict[str, dict]:
             continue
         xs, ys = [ber_of(r) for r in runs], [float(r["final_deviation"]) for r in runs]
         bers = sorted(set(xs))
-        est = theory_deviation(bers, run_setup(rows, config[0])) if config[0] == "ddp" else None
+        est = recipe_deviation(bers, [r for r in rows if config_of(r) == config]) if config[0] == "ddp" else None
         per_ber = [{"ber": b, "n": xs.count(b), "mean": _mean([y for x, y in zip(xs, ys) if x == b]),
                     "theory": float(est[i]) if est is not None else None} for i, b in enumerate(bers)]
         finite_theory = [(p["ber"], p["theory"]) for p in per_ber if p["theory"] and math.isfinite(p["theory"])]
         theory_fit = _log_log_fit(*zip(*finite_theory)) if len(finite_theory) >= 2 else None
-        out["/".join(map(str, config))] = {"config": config, "fit": _log_log_fit(xs, ys), "per_ber": per_ber,
-                                           "theory_slope": theory_fit and theory_fit["slope"]}
+        out[config_key(config)] = {"config": config, "fit": _log_log_fit(xs, ys), "per_ber": per_ber,
+                                   "theory_slope": theory_fit and theory_fit["slope"]}
     return out
+
+
+def recipe_deviation(bers, rows: list[dict]) -> np.ndarray | None:
+    """The analytical deviation of one DDP config's recipe at each BER: recipes that lose no steps to
+    catastrophic values (the link protects the exponent, or the receiver sanitizes) move the weights by bounded
+    errors only (RecipePrediction.noise_deviation); the others by weight_deviation_estimate (AdamW, clipping as
+    the recipe has it)."""
+    setup = run_setup(rows, "ddp")
+    recipe = recipe_settings(rows[0])
+    if recipe["protect"] or recipe["guard"] == "sanitize":
+        point = {**setup, **recipe, "mode": "ddp"}
+        preds = [predict_point(point, ber=b) for b in bers]
+        return None if None in preds else np.array([p.noise_deviation for p in preds], dtype=float)
+    if recipe["clip"] == "none":
+        setup = {**setup, "grad_clip": 0.0}
+    return theory_deviation(bers, setup)
 
 
 def latency_entries(latency: dict | None) -> list[dict]:

@@ -44,14 +44,24 @@ def fmt_pct(x) -> str:
 
 
 def ber_text(ber: float | None) -> str:
-    """1e-05, 2.4e-04, 0. Text that is not a number (YAML reads '1e-6' as a string) passes through."""
+    """1e-05, 2.4e-04, 0, any (inf: no BER is too high). Text that is not a number (YAML reads '1e-6' as a
+    string) passes through."""
     if ber is None:
         return "—"
     try:
         ber = float(ber)
     except (TypeError, ValueError):
         return str(ber)
+    if math.isinf(ber):
+        return "any"
     return "0" if ber == 0 else f"{ber:.1e}".replace(".0e", "e")
+
+
+def fraction_ci_text(value: float | None, ci: tuple[float, float] | None) -> str:
+    """0.36 [0.30, 0.42]."""
+    if value is None:
+        return "—"
+    return fmt(float(value)) + (f" [{fmt(float(ci[0]))}, {fmt(float(ci[1]))}]" if ci else "")
 
 
 def status_text(statuses: dict) -> str:
@@ -64,7 +74,12 @@ def mode_name(mode: str) -> str:
 
 
 def config_label(config: tuple, all_configs: list[tuple]) -> str:
-    """'DDP', or 'DDP tensor/keep' when the experiment has several scopes or checksum modes."""
-    mode, scope, checksum = config
-    varies = len({c[1:] for c in all_configs}) > 1
-    return f"{mode_name(mode)} {scope}/{checksum}" if varies else mode_name(mode)
+    """'DDP', 'DDP tensor/keep' when the experiment has several scopes or checksum modes, 'DDP sanitize' when it
+    has several recipes. config: (mode, scope, checksum[, recipe])."""
+    mode, scope, checksum, recipe = (*config, None)[:4]
+    label = mode_name(mode)
+    if len({c[1:3] for c in all_configs}) > 1:
+        label += f" {scope}/{checksum}"
+    if len({c[3] for c in all_configs if len(c) > 3}) > 1:
+        label += f" {recipe}"
+    return label

@@ -5,7 +5,7 @@ data hold nothing to plot (no rows of that kind, every value missing). Figures a
 (`matplotlib.figure.Figure`, rendered by Agg): no pyplot, no display, no global backend switch, nothing to close.
 
 Conventions shared by all plots:
-- a "config" is (mode, scope, checksum); it has one color per plot set (`config_colors`);
+- a "config" is (mode, scope, checksum, recipe); it has one color per plot set (`config_colors`);
 - a BER has one color in every plot that colors by BER (`ber_colors`): the clean run (BER 0) is black;
 - on BER axes that need the clean run, BER 0 sits one decade left of the smallest BER, labelled "0";
 - "ok" runs are filled circles, every failed status (crashed, hung, diverged, invalid, error) is an x.
@@ -26,9 +26,10 @@ from matplotlib.ticker import NullLocator
 
 from ..fileio import write_atomic
 from . import results
-from .analysis import PUBLISHED_TOLERATED_BER, run_setup, skipped_fraction, theory_deviation
+from . import analysis
+from .analysis import PUBLISHED_TOLERATED_BER, run_setup, skipped_fraction
 from .formatting import ber_text, config_label, mode_name
-from .results import ber_of, config_of, configs, finite, is_ok, modes, positive
+from .results import ber_of, config_of, configs, finite, is_ok, modes, positive, recipes
 
 DPI = 120
 FAILED_MARKER, OK_MARKER = "x", "o"
@@ -191,7 +192,7 @@ def plot_loss_vs_step(rows: list[dict], path) -> Path | None:
                 steps = np.arange(arr.shape[1])
                 label = f"BER {ber_text(ber)}" if ber > 0 else "BER 0 (clean)"
                 if len(mode_configs) > 1:
-                    label = f"{config[1]}/{config[2]}, {label}"
+                    label = f"{config_label(config, all_configs)}, {label}"
                 ax.plot(steps, mean, color=colors[ber], linestyle=style, linewidth=1.6 if ber == 0 else 1.2,
                         label=f"{label} ({len(group)} seeds)", zorder=3 if ber == 0 else 2)
                 if len(group) > 1:
@@ -333,21 +334,30 @@ def _plot_log_log_metric(rows: list[dict], path, field: str, ylabel: str, title:
 
 
 def _draw_theory_deviation(ax, rows: list[dict], mode: str, bers: list[float]) -> str:
-    """The analytical curve for DDP (gradient errors through the ring); returns a note for the title."""
+    """The analytical curve of each DDP config (gradient errors through the ring, the recipe's guard and
+    protection: analysis.recipe_deviation); returns a note for the title."""
     if mode != "ddp":
         return "(no analytical curve: the model covers DDP gradient errors only)"
-    setup = run_setup(rows, mode)
     grid = np.logspace(math.log10(min(bers)) - 0.5, math.log10(max(bers)) + 0.5, 60)
-    est = theory_deviation(grid, setup)
-    if est is None:
-        return "no analytical curve: rows lack n_params, steps or lr"
-    shown = np.isfinite(est) & (est > 0)
-    if not shown.any():
-        return "analytical estimate: a run-ending event is expected at every BER (inf)"
-    clip = setup.get("grad_clip")
-    ax.plot(grid[shown], est[shown], color="black", linewidth=1.5,
-            label=f"theory (AdamW, clip {1.0 if clip is None else clip:g}, {setup.get('world_size', '?')} ranks)")
-    return ""
+    all_configs = [c for c in configs(rows) if c[0] == mode]
+    colors, notes = config_colors(configs(rows)), []
+    for config in all_configs:
+        group = [r for r in rows if config_of(r) == config]
+        est = analysis.recipe_deviation(grid, group)
+        if est is None:
+            notes.append("no analytical curve: rows lack n_params, steps or lr")
+            continue
+        shown = np.isfinite(est) & (est > 0)
+        if not shown.any():
+            notes.append("analytical estimate: a run-ending event is expected at every BER (inf)")
+            continue
+        setup = run_setup(group, mode)
+        clip = setup.get("grad_clip")
+        what = (f"theory (AdamW, clip {1.0 if clip is None else clip:g}, {setup.get('world_size', '?')} ranks)"
+                if len(all_configs) == 1 else f"theory, {config_label(config, configs(rows))}")
+        ax.plot(grid[shown], est[shown], color="black" if len(all_configs) == 1 else colors[config],
+                linestyle="-" if len(all_configs) == 1 else "--", linewidth=1.5, label=what)
+    return "; ".join(dict.fromkeys(notes)) if len(notes) == len(all_configs) else ""
 
 
 def plot_deviation_vs_ber(rows: list[dict], path) -> Path | None:
@@ -409,6 +419,47 @@ def plot_skipped_vs_ber(rows: list[dict], path) -> Path | None:
     """Fraction of updates skipped (non-finite loss or gradient) vs BER, per mode."""
     return _plot_vs_ber_with_clean(rows, path, skipped_fraction, "skipped updates / completed steps",
                                    "skipped updates vs BER", log_y_if_spread=False, ylim=(-0.03, 1.03))
+
+
+def plot_lost_vs_ber(rows: list[dict], path) -> Path | None:
+    """Lost-step fraction vs BER, a panel per recipe: measured (skipped updates / steps, pooled over seeds, with
+    the Clopper-Pearson 95 % interval) as markers, the theory's (theory.predict_recipe) as a line, per mode."""
+    agg = [p for p in analysis.aggregate(rows) if p["lost_fraction"] is not None]
+    if not any(p["ber"] > 0 for p in agg):
+        return None
+    panel_recipes = [r for r in recipes(rows) if any(p["recipe"] == r for p in agg)]
+    all_configs = configs(rows)
+    colors = config_colors(all_configs)
+    bers = sorted({p["ber"] for p in agg})
+    clean_x = _clean_x(bers)
+    fig, axes = _figure(len(panel_recipes), width=5.5)
+    for ax, recipe in zip(axes, panel_recipes):
+        for config in [c for c in all_configs if c[3] == recipe]:
+            points = [p for p in agg if analysis.point_config(p) == config]
+            if not points:
+                continue
+            color, label = colors[config], config_label(config[:3], [c[:3] for c in all_configs])
+            xs = [_x_of(p["ber"], clean_x) for p in points]
+            ys = [p["lost_fraction"] for p in points]
+            err = [[y - p["lost_fraction_ci"][0] for y, p in zip(ys, points)],
+                   [p["lost_fraction_ci"][1] - y for y, p in zip(ys, points)]]
+            ax.errorbar(xs, ys, yerr=err, color=color, marker=OK_MARKER, linestyle="", capsize=3,
+                        label=f"{label}: measured (95 % interval)")
+            ref = next((p for p in points if p["ber"] > 0), points[0])
+            grid = np.logspace(math.log10(min(b for b in bers if b > 0)) - 0.5, math.log10(max(bers)) + 0.3, 50)
+            preds = [analysis.predict_point(ref, ber=b) for b in grid]
+            if None not in preds:
+                ax.plot(grid, [q.p_step_skipped for q in preds], color=color, linewidth=1.3,
+                        label=f"{label}: theory 1 - exp(-λ)")
+        ax.set_xscale("log")
+        _ber_ticks(ax, bers, with_clean=0 in bers)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(f"recipe {recipe}: lost steps (skipped updates / steps)", fontsize=10)
+        ax.set_xlabel("bit error rate (per bit; 0 = clean link)")
+        ax.set_ylabel("fraction of steps lost")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return save_figure(fig, path)
 
 
 def _latency_style(entry: dict, colors: dict) -> tuple:
@@ -482,5 +533,6 @@ PLOTS = {
     "divergence_vs_ber.png": (plot_divergence_vs_ber, "rows"),
     "step_time_vs_ber.png": (plot_step_time_vs_ber, "rows"),
     "skipped_vs_ber.png": (plot_skipped_vs_ber, "rows"),
+    "lost_vs_theory.png": (plot_lost_vs_ber, "rows"),
     "latency.png": (plot_latency, "latency"),
 }

@@ -24,11 +24,13 @@ from pathlib import Path
 
 from ..fileio import read_jsonl, write_atomic
 from . import plots, theory
-from .analysis import (DEFAULT_N_STD, DEFAULT_TOLERANCE, LATENCY_STATS, aggregate, deviation_fits,
-                       latency_entries, retransmission_penalties, sum_or_none, thresholds, values_of)
-from .formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, mode_name, status_text)
+from .analysis import (DEFAULT_N_STD, DEFAULT_TOLERANCE, LATENCY_STATS, PUBLISHED_TOLERATED_BER, aggregate,
+                       deviation_fits, interval, latency_entries, orderings, point_config, published_verdict,
+                       retransmission_penalties, sum_or_none, theory_comparison, thresholds, values_of)
+from .formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text, mode_name,
+                         status_text)
 from .plots import latency_label
-from .results import SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
+from .results import DEFAULT_RECIPE, SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
 
 RESULTS_FILE, LATENCY_FILE, EXPERIMENT_FILE = "results.jsonl", "latency.json", "experiment.yaml"
 SUMMARY_FILE, REPORT_FILE = "summary.csv", "report.md"
@@ -105,15 +107,16 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def key_table(agg: list[dict]) -> str:
     """The mode x BER table: status counts, eval loss, gap, skipped steps, deviation, divergence, flips..."""
-    all_configs = sorted({(p["mode"], p["scope"], p["checksum"]) for p in agg}, key=config_sort_key)
+    all_configs = sorted({point_config(p) for p in agg}, key=config_sort_key)
     header = ["config", "BER", "seeds", "status", "eval loss (mean ± sd)", "gap", "gap %", "skipped steps",
               "deviation", "replica divergence", "bits flipped", "realized BER", "step time (s)"]
     body = []
     for p in agg:
         ev = fmt_loss(p["eval_loss_mean"]) + (f" ± {fmt_loss(p['eval_loss_std'])}"
                                                if p["eval_loss_std"] is not None else "")
-        body.append([config_label((p["mode"], p["scope"], p["checksum"]), all_configs), ber_text(p["ber"]),
-                     str(p["n_seeds"]), status_text(p["statuses"]), ev,
+        status = status_text(p["statuses"]) + (f" ({p['no_progress']} no progress)" if p["no_progress"] else "")
+        body.append([config_label(point_config(p), all_configs), ber_text(p["ber"]),
+                     str(p["n_seeds"]), status, ev,
                      fmt_signed(p["loss_gap"], fmt_loss) if p["ber"] > 0 else "(clean)",
                      fmt_pct(p["loss_gap_rel"]) if p["ber"] > 0 else "",
                      fmt(p["skipped_steps_mean"]), fmt(p["deviation_mean"]), fmt(p["divergence_mean"]),
@@ -128,17 +131,49 @@ def _published_comparison(t: dict) -> str:
     if pub is None:
         return ""
     published = f"the published analysis of GPT-2 124M ({name} fine below {ber_text(pub)})"
-    if ok is not None and ok >= pub:
+    verdict = published_verdict(t) or "consistent"
+    if verdict == "more tolerant":
         return f"That is more tolerant than {published}: here {name} is still fine at {ber_text(ok)}."
-    if fail is not None and fail < pub:
+    if verdict == "more fragile":
         return f"That is more fragile than {published}: here {name} already fails at {ber_text(fail)}."
     return f"That is consistent with {published}."
+
+
+def theory_agreement(t: dict) -> str | None:
+    """How the theory's tolerated BER sits in the measured interval: 'consistent' (max_ok <= it < min_fail),
+    'optimistic' (it tolerates a BER that failed) or 'pessimistic' (the runs matched clean above it)."""
+    b = t.get("theory_tolerated_ber")
+    if b is None or t["tolerance_abs"] is None or not t["tested_bers"]:
+        return None
+    lo, hi = interval(t)
+    return "consistent" if lo <= b < hi or b == hi == math.inf else "optimistic" if b >= hi else "pessimistic"
+
+
+def _tolerated_sentence(t: dict) -> str:
+    """The recipe-aware theory: lost steps 1 - exp(-lambda) and the time shift they cost."""
+    b, f = t.get("theory_tolerated_ber"), t.get("time_shift_fraction")
+    if t.get("theory_note"):
+        text = f"Theory: {t['theory_note']}"
+    elif b is None:
+        return ""
+    else:
+        text = (f"Theory: λ, the catastrophic values per step over all ranks and hops, reaches 1 (63 % of the "
+                f"steps lost) at BER {ber_text(t['theory_lost_ber'])}; the clean loss curve absorbs losing "
+                f"{fmt_pct(f)[1:]} of the steps within the tolerance, which the theory reaches at BER {ber_text(b)}")
+    verdict = theory_agreement(t)
+    words = {"consistent": "consistent with the measurement",
+             "optimistic": f"more optimistic than the measurement, which fails from {ber_text(t['min_fail_ber'])}",
+             "pessimistic": f"more pessimistic than the measurement, which still matches clean at "
+                            f"{ber_text(t['max_ok_ber'])}"}
+    return text + (f": {words[verdict]}." if verdict else ".")
 
 
 def _theory_comparison(t: dict) -> str:
     """The theory's threshold, and how many catastrophic values it expects over a run at the measured BERs:
     catastrophic values per step = BER / threshold (the threshold is where that count is 1)."""
     th, steps = t["theory_ber"], t.get("steps")
+    if t.get("theory_note"):
+        return _tolerated_sentence(t)
     if th is None:
         return f"Theory: {t['theory_basis']}."
     text = f"The theory expects {t['theory_basis']} at BER {ber_text(th)}."
@@ -152,12 +187,17 @@ def _theory_comparison(t: dict) -> str:
         text += f" At {ber_text(fail)}, where it fails, {fmt(per_run(fail))}"
         text += (" per run: fewer than one, so catastrophic values do not explain the failure (see its reason)."
                  if per_run(fail) < 1 else " per run.")
-    return text
+    return f"{text} {_tolerated_sentence(t)}".strip()
+
+
+def _config_name(t: dict) -> str:
+    recipe = "" if t.get("recipe", DEFAULT_RECIPE) == DEFAULT_RECIPE else f", recipe {t['recipe']}"
+    return f"**{mode_name(t['mode'])}** ({t['scope']}/{t['checksum']}{recipe})"
 
 
 def threshold_sentence(t: dict) -> str:
     """One paragraph per config: the measured threshold, then the published and theory comparisons."""
-    label = f"**{mode_name(t['mode'])}** ({t['scope']}/{t['checksum']})"
+    label = _config_name(t)
     if t["note"] and t["tolerance_abs"] is None:
         return f"{label}: no threshold: {t['note']}."
     if not t["tested_bers"]:
@@ -176,17 +216,98 @@ def threshold_sentence(t: dict) -> str:
     return f"{label} {head}. {_published_comparison(t)} {_theory_comparison(t)}".strip()
 
 
+def _measured_cell(t: dict) -> str:
+    """'≤ 1e-05 < 1e-04': the measured interval (max_ok, min_fail]; 'no threshold' when there is none."""
+    if t["tolerance_abs"] is None or not t["tested_bers"]:
+        return "no threshold"
+    ok, fail = t["max_ok_ber"], t["min_fail_ber"]
+    text = (f"up to {ber_text(ok)}" if ok is not None else f"fails at {ber_text(fail)}") if fail is None or ok is None \
+        else f"up to {ber_text(ok)}, fails {ber_text(fail)}"
+    return text + (" (non-monotonic)" if t["non_monotonic"] else "")
+
+
+def _theory_cell(t: dict) -> str:
+    b = t.get("theory_tolerated_ber")
+    if b is None:
+        return "—"
+    if math.isinf(b):
+        return "any (no lost steps)"
+    ends = t.get("theory_ending_ber") is not None and b == t["theory_ending_ber"]
+    return f"up to {ber_text(b)}" + (" (runs end)" if ends else "")
+
+
+def threshold_matrix(th: dict) -> str:
+    """The recipe x mode table: measured and predicted tolerated BER per recipe and mode, tokens per step."""
+    rows: dict[tuple, dict] = {}
+    for t in th.values():
+        rows.setdefault((t["recipe"], t["scope"], t["checksum"]), {})[t["mode"]] = t
+    modes_present = [m for m in ("ddp", "pp") if any(m in v for v in rows.values())]
+    several = len({k[1:] for k in rows}) > 1
+    header = ["recipe"] + [f"{mode_name(m)} {what}" for m in modes_present
+                           for what in ("measured", "theory", "tokens/step")]
+    body = []
+    for (recipe, scope, checksum), by_mode in rows.items():
+        cells = [recipe + (f" ({scope}/{checksum})" if several else "")]
+        for m in modes_present:
+            t = by_mode.get(m)
+            cells += (["—", "—", "—"] if t is None else
+                      [_measured_cell(t), _theory_cell(t), fmt(t.get("tokens_per_step"))])
+        body.append(cells)
+    published = ["published (GPT-2 124M)"] + [c for m in modes_present for c in (
+        f"fine below {ber_text(PUBLISHED_TOLERATED_BER.get(m))}", "", "")]
+    return _table(header, body + [published])
+
+
 def thresholds_table(th: dict) -> str:
     header = ["config", "clean eval loss", "tolerance", "trains as well as clean up to", "fails from", "why",
-              "theory: catastrophic from", "published: fine below"]
+              "theory: catastrophic from", "theory: tolerated up to", "theory vs measured", "published: fine below"]
     body = []
     for t in th.values():
         fail = t["min_fail_ber"]
-        body.append([f"{mode_name(t['mode'])} {t['scope']}/{t['checksum']}", fmt_loss(t["clean_eval_loss_mean"]),
-                     fmt_loss(t["tolerance_abs"]), ber_text(t["max_ok_ber"]) if t["max_ok_ber"] is not None else "—",
+        recipe = "" if t["recipe"] == DEFAULT_RECIPE else f" {t['recipe']}"
+        body.append([f"{mode_name(t['mode'])} {t['scope']}/{t['checksum']}{recipe}",
+                     fmt_loss(t["clean_eval_loss_mean"]), fmt_loss(t["tolerance_abs"]),
+                     ber_text(t["max_ok_ber"]) if t["max_ok_ber"] is not None else "—",
                      ber_text(fail) if fail is not None else "—", t["failing"].get(fail, t["note"] or ""),
-                     ber_text(t["theory_ber"]), ber_text(t["published_ber"])])
+                     ber_text(t["theory_ber"]), _theory_cell(t), theory_agreement(t) or "—",
+                     ber_text(t["published_ber"])])
     return _table(header, body)
+
+
+def ordering_sentence(o: dict) -> str:
+    """Which mode tolerates more under one recipe, against the published ordering and the theory."""
+    words = {"ddp": "DDP tolerates more than PP", "pp": "PP tolerates more than DDP",
+             "same": "DDP and PP are not distinguishable in this grid", None: "no ordering (a threshold is missing)"}
+    rest = (o["scope"], o["checksum"])
+    name = o["recipe"] + ("" if rest == ("tensor", "fix") else f" ({rest[0]}/{rest[1]})")
+    text = f"Recipe **{name}**: measured, {words[o['measured']]}"
+    text += (" (the published ordering)" if o["published_order"] else "")
+    if o["published_order"] and o["published_numbers"]:
+        text += ", and both thresholds are consistent with the published ones"
+    text += f"; the theory: {words[o['predicted']]}" if o["predicted"] else ""
+    if o["matched_tokens"] is False:
+        d, p = o["tokens_per_step"]
+        text += f". Not at matched tokens (DDP {fmt(d)}, PP {fmt(p)} tokens per step): not a fair comparison"
+    return text + "."
+
+
+def ordering_summary(ords: list[dict]) -> str:
+    """Which recipes, if any, reproduce the published ordering (DDP more tolerant than PP) at matched tokens."""
+    if not ords:
+        return "No recipe ran both DDP and PP, so there is no ordering to compare with the published one."
+    fair = [o for o in ords if o["matched_tokens"] is not False]
+    tokens = ("at matched tokens" if all(o["matched_tokens"] for o in fair) else
+              "tokens per step not recorded for every mode")
+    reproduce = [o["recipe"] for o in fair if o["published_order"]]
+    numbers = [o["recipe"] for o in fair if o["published_order"] and o["published_numbers"]]
+    if not fair:
+        return "No recipe ran DDP and PP at matched tokens per step, so no ordering is a fair comparison."
+    if not reproduce:
+        return f"No recipe reproduces the published ordering (DDP more tolerant than PP; {tokens})."
+    text = (f"Recipes that reproduce the published ordering (DDP more tolerant than PP; {tokens}): "
+            f"{', '.join(reproduce)}")
+    return text + (f"; with thresholds consistent with the published numbers too: {', '.join(numbers)}."
+                   if numbers else "; none also matches the published numbers.")
 
 
 def _slope_sentence(label: str, d: dict) -> str:
@@ -219,10 +340,85 @@ def deviation_section(rows: list[dict], fits: dict) -> list[str]:
     out += [_table(["config", "BER", "ok runs", "deviation (mean)", "theory", "measured / theory"], body), ""]
     out += ["- " + _slope_sentence(config_label(d["config"], all_configs), d) for d in fits.values()]
     out += ["", "The analytical curve is `theory.weight_deviation_estimate` (AdamW, the runs' n_params, steps, lr, "
-            "grad_clip and world size; gradient errors through the gloo ring, so DDP only). It ignores the "
-            "training dynamics, which amplify any perturbation, so measured deviations may exceed it while keeping "
-            "the slope; with clipping it saturates once every step is lost (slope < 1/2).", ""]
+            "grad_clip and world size; gradient errors through the gloo ring, so DDP only); for a recipe that "
+            "protects the exponent or sanitizes, the deviation from its bounded errors "
+            "(`RecipePrediction.noise_deviation`). It ignores the training dynamics, which amplify any "
+            "perturbation, so measured deviations may exceed it while keeping the slope; with clipping it "
+            "saturates once every step is lost (slope < 1/2).", ""]
     return out
+
+
+def _count_cell(c: dict | None) -> str:
+    if c is None:
+        return "—"
+    return f"{fraction_ci_text(c['measured'], c['ci'])} vs {fmt(float(c['predicted']))} ({c['verdict']})"
+
+
+def theory_section(agg: list[dict], plot_line: str) -> list[str]:
+    """Measured against predicted per point: lost-step fraction, sanitized values per step, frozen fraction; then
+    in words where they disagree."""
+    out = ["## Lost steps, sanitized and frozen values: measured vs theory", ""]
+    comp = theory_comparison(agg)
+    if not comp:
+        return out + ["No point at BER > 0 has both measurements and a prediction.", "", plot_line, ""]
+    all_configs = sorted({(c["mode"], c["scope"], c["checksum"], c["recipe"]) for c in comp}, key=config_sort_key)
+    body = []
+    for c in comp:
+        pred = c["prediction"]
+        body.append([config_label((c["mode"], c["scope"], c["checksum"], c["recipe"]), all_configs),
+                     ber_text(c["ber"]), fmt(pred.lost), _count_cell(c["lost"]), _count_cell(c["sanitized"]),
+                     _count_cell(c["frozen"]), fmt(pred.p_run_completes)])
+    out += ["Measured with a 95 % interval (lost steps: Clopper-Pearson on the skipped updates pooled over seeds; "
+            "sanitized values per step: Poisson) against `theory.predict_recipe`: λ = expected catastrophic values "
+            "per step over every rank and hop, lost fraction 1 - exp(-λ) (0 where the guard skips nothing), "
+            "sanitized = catastrophic values zeroed per step summed over ranks, frozen = elements of a replica "
+            "whose Adam state a hit pushed above 1e6 (guard none without clipping; agrees within a factor 2). "
+            "Derivations: docs/theory.md, section 4.", "",
+            _table(["config", "BER", "λ (theory)", "lost fraction: measured vs theory", "sanitized per step",
+                    "frozen fraction", "P(run completes), theory"], body), ""]
+    out += [f"- {line}" for line in disagreements(comp, all_configs)] + ["", plot_line, ""]
+    return out
+
+
+def disagreements(comp: list[dict], all_configs: list[tuple]) -> list[str]:
+    """One sentence per config and quantity where the measurement falls outside the theory (or 'agrees')."""
+    lines = []
+    for config in all_configs:
+        rows = [c for c in comp if (c["mode"], c["scope"], c["checksum"], c["recipe"]) == config]
+        label = config_label(config, all_configs)
+        for key, what in (("lost", "lost-step fraction"), ("sanitized", "sanitized count per step"),
+                          ("frozen", "frozen fraction")):
+            judged = [c for c in rows if c[key] is not None]
+            if not judged:
+                continue
+            off = [c for c in judged if c[key]["verdict"] != "agrees"]
+            if not off:
+                lines.append(f"{label}: the {what} agrees with the theory at every BER measured "
+                             f"({', '.join(ber_text(c['ber']) for c in judged)}).")
+                continue
+            parts = [f"{ber_text(c['ber'])} measured {fmt(float(c[key]['measured']))} vs "
+                     f"{fmt(float(c[key]['predicted']))} ({c[key]['verdict']} the theory)" for c in off]
+            lines.append(f"**{label}: the {what} disagrees with the theory** at " + "; ".join(parts) + "."
+                         + _why(key, off))
+    return lines
+
+
+def _why(key: str, off: list[dict]) -> str:
+    """What a disagreement says about the model's assumptions (the candidates, not a diagnosis)."""
+    pred = off[0]["prediction"]
+    below = all(c[key]["verdict"] == "below" for c in off)
+    if key == "lost" and pred.mode == "pp" and below and pred.lost_forward:
+        share = pred.lost_forward / pred.lost if pred.lost else 0
+        return (f" The theory counts every catastrophic activation as a lost step ({share:.0%} of λ); if the "
+                "next stage's LayerNorm contains huge activations, only the backward part loses steps.")
+    if key == "lost" and pred.p_step_skipped == 0 and not below:
+        return " The theory expects this guard to skip nothing."
+    if key == "lost" and not below:
+        return " More steps are lost than catastrophic flips explain: moderate flips, or faults beyond the model."
+    if key == "lost":
+        return (" Fewer steps are lost than predicted: not every catastrophic value reaches the gradient norm or "
+                "the loss.")
+    return ""
 
 
 # optional latency.json counters (testbed bench latency) -> column title
@@ -336,6 +532,8 @@ PLOT_TITLES = {
                               "no DDP run at BER > 0 reported a positive final_replica_divergence"),
     "step_time_vs_ber.png": ("Median step time vs BER", "no run reported a step time"),
     "skipped_vs_ber.png": ("Skipped updates vs BER", "no run reported skipped steps"),
+    "lost_vs_theory.png": ("Lost-step fraction vs BER per recipe, measured and theory",
+                           "no run at BER > 0 reported skipped steps"),
     "latency.png": ("RTT distribution per latency configuration", "no latency.json"),
 }
 
@@ -386,7 +584,10 @@ def _setup_section(rows: list[dict], exp: dict, latency: dict | None) -> list[st
         ("Training", ", ".join(f"{k} {v}" for k, v in train.items()) or
          ", ".join(f"{k} {first[k]}" for k in ("lr", "grad_clip") if first.get(k) is not None) or "defaults"),
         ("Grid", f"mode {grid_values('mode')}; BER {grid_values('ber')}; scope {grid_values('scope')}; "
-                 f"checksum {grid_values('checksum')}; seeds {grid_values('seed')} ({len(rows)} results)"),
+                 f"checksum {grid_values('checksum')}; seeds {grid_values('seed')}; recipe {grid_values('recipe')} "
+                 f"({len(rows)} results)"),
+        ("Recipes", _recipes_text(exp.get("recipes") or {})),
+        ("Tokens per step", _tokens_text(exp, rows)),
         ("Runs finished", f"{finished[0]} .. {finished[-1]}" if finished else None),
         ("Training wall time", f"{wall / 60:.1f} min over all points" if wall else None),
         ("Worker image", ", ".join(digests) or None),
@@ -396,6 +597,33 @@ def _setup_section(rows: list[dict], exp: dict, latency: dict | None) -> list[st
                              f"{' '.join(u[:5])} ({os.cpu_count()} CPUs)"),
     ]
     return ["## Setup", ""] + [f"- {k}: {v}" for k, v in lines if v not in (None, "")] + [""]
+
+
+def _recipes_text(recipes: dict) -> str | None:
+    """'sanitize: guard sanitize; protect: link protect sign, exponent' from the file's recipes."""
+    parts = []
+    for name, r in recipes.items():
+        r = r or {}
+        items = [f"{k} {v}" for k, v in (r.get("train") or {}).items() if v is not None]
+        items += [f"link {k} {', '.join(map(str, v)) if isinstance(v, list) else v}"
+                  for k, v in (r.get("link") or {}).items() if v is not None]
+        parts.append(f"{name}: {', '.join(items) or 'as train:'}")
+    return "; ".join(parts) or None
+
+
+def _tokens_text(exp: dict, rows: list[dict]) -> str | None:
+    per_mode = {}
+    for r in rows:
+        if r.get("tokens_per_step"):
+            per_mode.setdefault(r.get("mode"), set()).add(r["tokens_per_step"])
+    if not per_mode:
+        return None
+    text = ", ".join(f"{mode_name(m)} {'/'.join(map(fmt, sorted(v)))}" for m, v in sorted(per_mode.items()))
+    if exp.get("tokens_per_step"):
+        text += f" (tokens_per_step {exp['tokens_per_step']}: batch sizes derived per mode)"
+    elif len({t for v in per_mode.values() for t in v}) > 1:
+        text += " (not matched: DDP and PP see different tokens per step)"
+    return text
 
 
 def _latency_finding(pen: dict) -> str:
@@ -413,7 +641,11 @@ def _latency_finding(pen: dict) -> str:
             f"(x{fmt(p99['ratio'])}){mean_text} per round trip at BER {ber_text(pen['ber'])}.**")
 
 
-def _findings(rows, th: dict, fits: dict, latency) -> list[str]:
+def _comp_configs(comp: list[dict]) -> list[tuple]:
+    return sorted({(c["mode"], c["scope"], c["checksum"], c["recipe"]) for c in comp}, key=config_sort_key)
+
+
+def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]:
     """The answers users look for first, each a sentence from the sections below."""
     out = ["## Findings", ""]
     if not rows:
@@ -424,8 +656,22 @@ def _findings(rows, th: dict, fits: dict, latency) -> list[str]:
     if not any(is_ok(r) for r in rows):
         out.append("- No run finished with status ok: every point crashed, hung, diverged or failed.")
     out += ["- " + threshold_sentence(t) for t in th.values()]
+    ords = orderings(th)
+    if ords:
+        out += ["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)]
+    comp = theory_comparison(agg)
+    off = [line for line in disagreements(comp, _comp_configs(comp)) if "disagrees" in line]
+    if comp:
+        out.append("- Theory vs measurement: " + (f"{len(off)} disagreement(s), listed under \"Lost steps, "
+                                                   "sanitized and frozen values\"." if off else
+                                                   "lost steps, sanitized and frozen values agree with the "
+                                                   "theory wherever both exist."))
+    off_th = [t for t in th.values() if theory_agreement(t) in ("optimistic", "pessimistic")]
+    out += [f"- {_config_name(t)}: the theory's tolerated BER ({_theory_cell(t)}) is more "
+            f"{theory_agreement(t)} than the measurement ({_measured_cell(t)})." for t in off_th]
     all_configs = configs(rows)
-    out += ["- Weight deviation, " + _slope_sentence(config_label(d["config"], all_configs), d) for d in fits.values()]
+    out += ["- Weight deviation, " + _slope_sentence(config_label(d["config"], all_configs), d) for d in fits.values()
+            if d["fit"] is not None]
     penalties = [p for p in retransmission_penalties(latency) if p["ber"] > 0]
     if penalties:
         out.append(_latency_finding(penalties[-1]))
@@ -439,7 +685,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     name = exp.get("name") or next((r.get("experiment") for r in rows if r.get("experiment")), None) or out_dir.name
     fits = deviation_fits(rows)
     md = [f"# Experiment {name}: bit errors in distributed GPT-2 training", ""]
-    md += _findings(rows, th, fits, latency)
+    md += _findings(rows, agg, th, fits, latency)
     md += _setup_section(rows, exp, latency)
     md += ["## Results per point", ""]
     if agg:
@@ -455,14 +701,25 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
            f"A BER passes when every seed ends ok with an eval loss and the mean eval-loss gap to the clean runs is "
            f"at most the tolerance = max({tolerance:g} x the clean mean, {n_std:g} x the clean seeds' standard "
            "deviation). \"Up to\" = the largest BER that passes together with every tested BER below it; "
-           "\"fails from\" = the smallest failing BER. Theory: `catastrophic_threshold_ber`, the BER at which one "
-           "catastrophic fp32 value (Inf/NaN or > 1e30) is expected per step. Published: DDP fine below 1e-4, PP "
-           "below 1e-5 (GPT-2 124M); this experiment's model and step count may differ.", ""]
-    md += ([thresholds_table(th), ""] + ["- " + threshold_sentence(t) for t in th.values()] + [""] if th else
-           ["No thresholds: no results.", ""])
+           "\"fails from\" = the smallest failing BER. A run that made no progress fails its BER. Theory: "
+           "\"catastrophic from\" is `catastrophic_threshold_ber`, the BER at which one catastrophic fp32 value "
+           "(Inf/NaN or > 1e30) is expected per step and rank; \"tolerated up to\" is the recipe's: lost steps "
+           "1 - exp(-λ) with λ summed over every rank and hop, and the time shift they cost on the clean loss "
+           "curve (docs/theory.md, section 4). Published: DDP fine below 1e-4, PP below 1e-5 (GPT-2 124M); this "
+           "experiment's model and step count may differ.", ""]
+    if th:
+        md += ["Tolerated BER per recipe and mode (measured: the largest BER that passes, and the first that "
+               "fails; theory: as above; tokens/step: tokens per optimizer step, equal for both modes when the "
+               "comparison is fair):", "", threshold_matrix(th), "", thresholds_table(th), ""]
+        md += ["- " + threshold_sentence(t) for t in th.values()]
+        ords = orderings(th)
+        md += (["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)] if ords else []) + [""]
+    else:
+        md += ["No thresholds: no results.", ""]
     md += [_plot_line("eval_loss_vs_ber.png", drawn), "", _plot_line("loss_vs_step.png", drawn), ""]
     md += deviation_section(rows, fits)
     md += [_plot_line("deviation_vs_ber.png", drawn), "", _plot_line("divergence_vs_ber.png", drawn), ""]
+    md += theory_section(agg, _plot_line("lost_vs_theory.png", drawn))
     md += ["## Step time and skipped updates", "", _plot_line("step_time_vs_ber.png", drawn), "",
            _plot_line("skipped_vs_ber.png", drawn), ""]
     md += latency_section(latency, _plot_line("latency.png", drawn))
@@ -485,7 +742,7 @@ def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None =
     latency = load_latency(out_dir) if latency is None else latency
     exp = _experiment_info(out_dir, experiment)
     write_summary_csv(rows, out_dir / SUMMARY_FILE)
-    agg = aggregate(rows)
+    agg = aggregate(rows, train=exp.get("train"))
     th = thresholds(agg, tolerance, n_std, train=exp.get("train"))
     drawn = _draw_plots(out_dir, rows, latency)
     path = out_dir / REPORT_FILE

@@ -17,10 +17,16 @@ import sys
 from dataclasses import dataclass
 
 STATUSES = ("ok", "diverged", "crashed", "hung", "invalid", "error")  # the report lists them in this order
-CONFIG_FIELDS = ("mode", "scope", "checksum")  # a "config": the grid coordinates but BER and seed
+CONFIG_FIELDS = ("mode", "scope", "checksum", "recipe")  # a "config": the grid coordinates but BER and seed
 # the training setup, for the theory overlays (the first row of a mode that reports each one)
 SETUP_FIELDS = ("model", "n_params", "steps", "lr", "grad_clip", "world_size", "batch_size", "seq_len")
+# a recipe's settings, for the theory of each point (a row without them predates recipes: the defaults)
+RECIPE_FIELDS = ("tokens_per_step", "microbatches", "optimizer", "clip", "guard", "sanitize_threshold",
+                 "wire_dtype", "element", "protect", "protected_ber")
+RECIPE_DEFAULTS = {"optimizer": "adamw", "clip": "norm", "guard": "skip", "sanitize_threshold": 1e3,
+                   "wire_dtype": "fp32", "element": None, "protect": None, "protected_ber": 0.0}
 MODE_ORDER = ("ddp", "pp")
+DEFAULT_RECIPE = "default"
 
 _JSON_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,),
                "dict": (dict,)}
@@ -62,10 +68,12 @@ def _f(name: str, type_: str, doc: str, error: bool = False) -> Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    _f("point", "str", "point id, e.g. `ddp-ber1e-5-tensor-fix-s1`", error=True),
-    _f("baseline", "str", "id of the clean point (BER 0, same mode/scope/checksum/seed) it is compared with",
-       error=True),
+    _f("point", "str", "point id, e.g. `ddp-ber1e-5-tensor-fix-s1`; another recipe than the default before the "
+                       "seed: `ddp-ber1e-5-tensor-fix-sanitize-s1`", error=True),
+    _f("baseline", "str", "id of the clean point (BER 0, same recipe/mode/scope/checksum/seed) it is compared "
+                          "with", error=True),
     _f("experiment", "str", "experiment name", error=True),
+    _f("recipe", "str", "grid coordinate: the recipe (`default`: the file's `train:` as it is)", error=True),
     _f("fingerprint", "str", "hash of everything but the grid (a re-run reuses a point only if it matches)",
        error=True),
     _f("mode", "str", "grid coordinate: `ddp` or `pp`", error=True),
@@ -84,6 +92,13 @@ FIELDS: tuple[Field, ...] = (
     _f("reason", "str?", "why, when not ok", error=True),
     _f("steps_completed", "int", "steps every rank finished", error=True),
     _f("skipped_steps", "int?", "updates skipped for a non-finite loss or gradient"),
+    _f("lost_step_fraction", "float?", "skipped_steps / steps_completed"),
+    _f("sanitized_values", "int?", "guard sanitize: received values zeroed, all ranks and steps"),
+    _f("frozen_values", "int?", "parameter elements that can no longer train at the end (non-finite, or Adam's "
+                                "second moment > 1e6); DDP: the worst replica, PP: all stages"),
+    _f("initial_eval_loss", "float?", "evaluation loss before the first update"),
+    _f("made_progress", "bool?", "the last eval loss is at least 1 % below the initial one (training loss "
+                                 "without evals); null: unknown"),
     _f("final_loss", "float?", "last training loss"),
     _f("final_eval_loss", "float?", "last evaluation loss (evaluated on clean links)"),
     _f("loss_curve", "list", "[float/null]: training loss per step (index = step; null where non-finite)"),
@@ -95,6 +110,10 @@ FIELDS: tuple[Field, ...] = (
     _f("bits_seen", "int?", "engine counter over the run: bits eligible for corruption"),
     _f("bits_flipped", "int?", "engine counter over the run: bits flipped"),
     _f("realized_ber", "float?", "bits_flipped / bits_seen"),
+    _f("flips_sign", "int?", "engine counters, summed over engines: flips of sign bits (scope tensor)"),
+    _f("flips_exponent", "int?", "flips of exponent bits"),
+    _f("flips_mantissa", "int?", "flips of mantissa bits"),
+    _f("bits_exposed", "int?", "bits the engines could flip at the full BER (not protected)"),
     _f("nonfinite_received_total", "int?", "values that arrived non-finite"),
     _f("corrupted_values_total", "int?", "gradient elements that differed from the clean reference (DDP)"),
     _f("deviation_curve", "list", "[[step, float]]: estimated L2 distance of the parameters from the baseline run "
@@ -111,6 +130,17 @@ FIELDS: tuple[Field, ...] = (
     _f("batch_size", "int?", "sequences per step and rank (DDP) or per step (PP)"),
     _f("seq_len", "int?", "tokens per sequence"),
     _f("microbatches", "int?", "PP micro-batches per step"),
+    _f("tokens_per_step", "int?", "tokens per optimizer step: batch_size x seq_len (x world_size for DDP)"),
+    _f("optimizer", "str?", "`adamw` or `sgd`"),
+    _f("clip", "str?", "gradient clipping: `norm`, `value` or `none`"),
+    _f("guard", "str?", "what a non-finite step does: `skip`, `stop`, `none`, `sanitize`"),
+    _f("sanitize_threshold", "float?", "guard sanitize: received values above it are zeroed"),
+    _f("wire_dtype", "str?", "dtype on the data link: `fp32`, `bf16`, `fp16`"),
+    _f("wire_bytes_per_step", "float?", "bytes a rank hands to the data link per step (median)"),
+    _f("element", "str?", "engine: the value type it corrupts (scope tensor); null: fp32"),
+    _f("protect", "str?", "engine: protected fields and bit positions, comma-separated (`sign,exponent`); "
+                          "null: none"),
+    _f("protected_ber", "float?", "engine: residual error rate of protected bits"),
     _f("collectives", "list?", "[str]: what `scope: tensor` corrupted (DDP: allreduce; PP: p2p); null otherwise"),
     _f("machine", "dict", "`uname`, `cpus`, `hostname` of the machine that ran the point"),
     _f("wall_time_s", "float?", "training wall time, s"),
@@ -214,22 +244,53 @@ def is_ok(row: dict) -> bool:
     return row.get("status") == "ok"
 
 
+def recipe_of(row: dict) -> str:
+    """The row's recipe; a row without one predates recipes: the default."""
+    return row.get("recipe") or DEFAULT_RECIPE
+
+
+def recipe_settings(row: dict) -> dict:
+    """The row's RECIPE_FIELDS, the defaults filled in where a row lacks them; protect as a list (bit positions
+    as ints)."""
+    out = {k: row[k] if row.get(k) is not None else RECIPE_DEFAULTS.get(k) for k in RECIPE_FIELDS}
+    if isinstance(out["protect"], str):
+        out["protect"] = [int(x) if x.strip().isdigit() else x.strip() for x in out["protect"].split(",") if x.strip()]
+    return out
+
+
 def config_of(row: dict) -> tuple:
-    return tuple(row.get(f) for f in CONFIG_FIELDS)
+    """(mode, scope, checksum, recipe)."""
+    return (row.get("mode"), row.get("scope"), row.get("checksum"), recipe_of(row))
+
+
+def config_key(config: tuple) -> str:
+    """'ddp/tensor/fix', with '/RECIPE' appended for a recipe other than the default."""
+    mode, scope, checksum, recipe = config
+    return f"{mode}/{scope}/{checksum}" + ("" if recipe == DEFAULT_RECIPE else f"/{recipe}")
 
 
 def mode_key(mode: str) -> tuple:
     return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), str(mode))
 
 
+def recipe_key(recipe: str) -> tuple:
+    """The default recipe first, then by name."""
+    return (recipe != DEFAULT_RECIPE, str(recipe))
+
+
 def config_sort_key(config: tuple) -> tuple:
-    mode, scope, checksum = config
-    return (*mode_key(mode), str(scope), str(checksum))
+    """Recipe, then mode (DDP before PP), scope and checksum."""
+    mode, scope, checksum, recipe = config
+    return (*recipe_key(recipe), *mode_key(mode), str(scope), str(checksum))
 
 
 def configs(rows: list[dict]) -> list[tuple]:
-    """The configs present, in grid order (DDP before PP, then scope and checksum)."""
+    """The configs present, in grid order (recipe, DDP before PP, then scope and checksum)."""
     return sorted({config_of(r) for r in rows}, key=config_sort_key)
+
+
+def recipes(rows: list[dict]) -> list[str]:
+    return sorted({recipe_of(r) for r in rows}, key=recipe_key)
 
 
 def modes(rows: list[dict]) -> list[str]:
@@ -237,7 +298,7 @@ def modes(rows: list[dict]) -> list[str]:
 
 
 def grid_order(row: dict) -> tuple:
-    """Sort key of rows: mode, scope, checksum, BER, seed."""
+    """Sort key of rows: recipe, mode, scope, checksum, BER, seed."""
     return (*config_sort_key(config_of(row)), ber_of(row), str(row.get("seed")))
 
 

@@ -29,15 +29,17 @@ from .training import DEFAULT_COLLECTIVES, summary_line, train
 class ResultsStore:
     """results.jsonl: one row per finished point of the current experiment, always complete on disk.
 
-    Rows of another fingerprint (the model, steps, training settings, topologies or runtime changed) are not
-    this experiment's results: they move to results-<fingerprint>.jsonl instead of mixing into the report."""
+    Rows of another fingerprint (the model, steps, training settings, a recipe, topologies or runtime changed)
+    are not this experiment's results: they move to results-<fingerprint>.jsonl instead of mixing into the
+    report. `fingerprints`: those of the experiment's recipes (one string: a single one)."""
 
-    def __init__(self, out: Path, fingerprint: str):
+    def __init__(self, out: Path, fingerprints: str | set[str]):
+        fingerprints = {fingerprints} if isinstance(fingerprints, str) else set(fingerprints)
         self.path = out / "results.jsonl"
         self.rows: dict[str, dict] = {}
         stale: dict[str, list[dict]] = {}
         for row in read_jsonl(self.path):
-            if row.get("fingerprint") == fingerprint:
+            if row.get("fingerprint") in fingerprints:
                 self.rows[row["point"]] = row
             else:
                 stale.setdefault(row.get("fingerprint") or "unknown", []).append(row)
@@ -48,8 +50,10 @@ class ResultsStore:
         if stale:
             self._save()
 
-    def done(self, point: Point) -> dict | None:
-        return self.rows.get(point.id)
+    def done(self, point: Point, fingerprint: str | None = None) -> dict | None:
+        """The point's row, if it is there (and has `fingerprint`, when given: that of the point's recipe)."""
+        row = self.rows.get(point.id)
+        return row if row is not None and fingerprint in (None, row.get("fingerprint")) else None
 
     def add(self, row: dict) -> None:
         self.rows[row["point"]] = row
@@ -65,14 +69,9 @@ def _finite(x):
 
 
 def train_config(exp: Experiment, point: Point) -> TrainSettings:
-    """The point's settings: the experiment's `train:` (every setting, defaults filled in), the model and steps
-    at the top, mode and seed from the grid, point_timeout as the run's limit. Collectives only matter under
-    scope tensor."""
-    t = exp.spec.train.model_dump()
-    if point.scope != "tensor":
-        t["collectives"] = None
-    return TrainSettings(mode=point.mode, model=exp.spec.model, steps=exp.spec.steps, seed=point.seed,
-                         run_timeout=exp.spec.point_timeout, **t)
+    """The point's settings (Experiment.train_settings): the experiment's `train:` with the recipe's over it,
+    the batch size from tokens_per_step, model and steps at the top, mode and seed from the grid."""
+    return exp.train_settings(point)
 
 
 def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, baseline_dir: Path | None) -> dict:
@@ -86,6 +85,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     for m in metrics:
         by_step.setdefault(m["step"], []).append(m)
     steps = sorted(by_step)
+    link = exp.link_settings(point)
     rank0 = {s: next((m for m in by_step[s] if m["rank"] == 0), by_step[s][0]) for s in steps}
     # every field of the results schema (testbed/experiments/results.py), in its order; run_point adds the
     # fingerprint, the deviation and divergence fields are filled in below
@@ -95,6 +95,9 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         topology=summary.get("topology"), runtime=summary.get("runtime"), world_size=summary.get("world_size"),
         status=summary.get("status"), reason=summary.get("reason"),
         steps_completed=summary.get("steps_completed", 0), skipped_steps=summary.get("skipped_steps", 0),
+        lost_step_fraction=_finite(summary.get("lost_step_fraction")),
+        sanitized_values=summary.get("sanitized_values"), frozen_values=summary.get("frozen_values"),
+        initial_eval_loss=_finite(summary.get("initial_eval_loss")), made_progress=summary.get("made_progress"),
         final_loss=_finite(summary.get("final_loss")), final_eval_loss=_finite(summary.get("final_eval_loss")),
         loss_curve=[_finite(rank0[s].get("loss")) for s in steps],
         eval_curve=[[s, _finite(rank0[s]["eval_loss"])] for s in steps if rank0[s].get("eval_loss") is not None],
@@ -103,15 +106,21 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         median_step_time_s=summary.get("median_step_time_s"), median_comm_time_s=summary.get("median_comm_time_s"),
         bits_seen=summary.get("bits_seen"), bits_flipped=summary.get("bits_flipped"),
         realized_ber=summary.get("realized_ber"),
+        **{k: engine_total(summary, k) for k in ("flips_sign", "flips_exponent", "flips_mantissa", "bits_exposed")},
         nonfinite_received_total=summary.get("nonfinite_received_total"),
         corrupted_values_total=summary.get("corrupted_values_total"),
         deviation_curve=[], final_deviation=None, final_deviation_exact=None,
         replica_divergence_curve=[], final_replica_divergence=None,
         n_params=param_count(exp.spec.model), lr=cfg_field(summary, "lr"), grad_clip=cfg_field(summary, "grad_clip"),
         batch_size=cfg_field(summary, "batch_size"), seq_len=cfg_field(summary, "seq_len"),
-        microbatches=cfg_field(summary, "microbatches"),
-        collectives=(exp.spec.train.collectives or DEFAULT_COLLECTIVES[point.mode]) if point.scope == "tensor"
-        else None,
+        microbatches=cfg_field(summary, "microbatches"), tokens_per_step=exp.tokens_per_step(point),
+        optimizer=cfg_field(summary, "optimizer"), clip=cfg_field(summary, "clip"), guard=cfg_field(summary, "guard"),
+        sanitize_threshold=cfg_field(summary, "sanitize_threshold"), wire_dtype=cfg_field(summary, "wire_dtype"),
+        wire_bytes_per_step=_finite(summary.get("wire_bytes_per_step")),
+        element=link.get("element"), protect=",".join(map(str, link["protect"])) if link.get("protect") else None,
+        protected_ber=link.get("protected_ber"),
+        collectives=(train_config(exp, point).collectives or DEFAULT_COLLECTIVES[point.mode])
+        if point.scope == "tensor" else None,
         machine={"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
         wall_time_s=summary.get("wall_time_s"), finished_at=time.time(), image_digest=summary.get("image_digest"),
         run_dir=str(run_dir.relative_to(run_dir.parent.parent)),
@@ -151,11 +160,21 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     return row
 
 
+def engine_total(summary: dict, key: str) -> int | None:
+    """An engine counter summed over the run's engines; None when no engine reports it."""
+    values = [e[key] for e in summary.get("engines") or [] if isinstance(e.get(key), int)]
+    return sum(values) if values else None
+
+
 def cfg_field(summary: dict, key: str):
-    """A setting as the run used it: the run's config (every setting; the default for one it lacks), with the
-    defaults decided at run time resolved (seq_len: the model's context; microbatches: PP's world size)."""
+    """A setting as the run used it: the run's config (every setting; the default for one it lacks, None for
+    one that does not exist), with the defaults decided at run time resolved (seq_len: the model's context;
+    microbatches: PP's world size)."""
     config = summary.get("config") or {}
-    v = config[key] if key in config else default_of(key)
+    try:
+        v = config[key] if key in config else default_of(key)
+    except KeyError:
+        return None
     if key == "seq_len" and v is None:
         v = PRESETS[summary.get("model") or default_of("model")].n_positions
     if key == "microbatches" and v is None and summary.get("mode") == "pp":
@@ -173,10 +192,11 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     copy = out / "experiment.yaml"
     if not (copy.exists() and os.path.samefile(exp.file, copy)):
         write_atomic(copy, exp.portable_copy())
-    fp = exp.fingerprint(runtime)
-    store = ResultsStore(out, fp)
+    fps = {r: exp.fingerprint(runtime, r) for r in exp.spec.grid.recipe}
+    store = ResultsStore(out, set(fps.values()))
     points = exp.points()
-    todo = [p for p in points if not store.done(p) or (retry_failed and store.done(p)["status"] != "ok")]
+    done = {p: store.done(p, fps[p.recipe]) for p in points}
+    todo = [p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")]
     bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
                desc=exp.spec.name, file=sys.stderr)
     say = log or (lambda m: bar.write(m, file=sys.stderr))
@@ -185,7 +205,7 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     try:
         for point in todo:
             bar.set_postfix_str(point.id)
-            row = run_point(exp, point, out, runtime, fp, f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
+            row = run_point(exp, point, out, runtime, fps[point.recipe], f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
                                                           f"{points.index(point)}")
             line = row.pop("_line", None) or f"{row['status']}: {row.get('reason')}"
             store.add(row)
@@ -206,7 +226,8 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
         shutil.rmtree(run_dir)  # an interrupted attempt: start the point afresh
     try:  # the collectives a tensor-scope point corrupts come with its config (train_config)
         summary = train(exp.topology(point.mode), train_config(exp, point), run_dir, ber=point.ber,
-                        scope=point.scope, checksum=point.checksum, runtime=runtime, name=name, log=lambda m: None)
+                        scope=point.scope, checksum=point.checksum, runtime=runtime, name=name, log=lambda m: None,
+                        **exp.link_settings(point))
     except KeyboardInterrupt:
         raise
     except Exception as e:

@@ -1,14 +1,28 @@
-"""What an experiment is: a grid over BER x mode x scope x checksum x seed, with a topology per mode and a model.
+"""What an experiment is: a grid over recipe x BER x mode x scope x checksum x seed, with a topology per mode
+and a model.
 
     name: quick
     model: tiny
     steps: 30
+    tokens_per_step: 1024          # optional: each mode's batch size follows from it (below)
     topologies: {ddp: topologies/pair.yaml, pp: topologies/pair.yaml}
-    grid: {mode: [ddp, pp], ber: [0, 1e-5, 1e-4], scope: [tensor], checksum: [fix], seed: [1]}
-    train: {batch_size: 8, seq_len: 64, lr: 0.001, eval_every: 10}
+    recipes:                       # optional: named variations of train: and of the links
+      sanitize: {train: {guard: sanitize}}
+      protect: {link: {protect: [sign, exponent]}}
+    grid: {recipe: [default, sanitize, protect], mode: [ddp, pp], ber: [0, 1e-5, 1e-4], seed: [1]}
+    train: {seq_len: 64, lr: 0.001, eval_every: 10}
     latency: {topology: topologies/pair.yaml, bers: [0, 1e-6, 1e-5], size: 16384, count: 500}
 
-Validated like topology files: errors name the file, the field and the problem.
+Recipes: a recipe's `train:` is any subset of the training settings, merged over the file's `train:`; its
+`link:` holds the engine's value settings (element, protect, protected_ber), applied to every link like the
+BER. The recipe `default` exists implicitly (nothing changed) and its points keep the ids they had before
+recipes existed; another recipe's name goes into its points' ids.
+
+Tokens per step: with `tokens_per_step` T, DDP trains batch_size = T / (seq_len x ranks) sequences per rank and
+PP a global batch of T / seq_len sequences, so both modes see the same tokens per optimizer step. It must divide
+exactly; `batch_size` is then not set anywhere.
+
+Validated like topology files: errors name the file, the line, the field and the problem.
 """
 
 from __future__ import annotations
@@ -36,7 +50,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+RECIPE_NAME = r"^[a-z0-9][a-z0-9_-]{0,15}$"
+DEFAULT_RECIPE = "default"
+
+
 class GridSpec(_Strict):
+    recipe: list[Annotated[str, Field(pattern=RECIPE_NAME)]] = Field(
+        default_factory=lambda: [DEFAULT_RECIPE], min_length=1)
     mode: list[Literal["ddp", "pp"]] = Field(min_length=1)
     ber: list[Ber] = Field(min_length=1)
     scope: list[Literal["payload", "all", "tensor"]] = Field(default_factory=lambda: ["tensor"], min_length=1)
@@ -44,22 +64,24 @@ class GridSpec(_Strict):
     seed: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [1], min_length=1)
 
 
-def train_spec() -> type[BaseModel]:
+def train_spec(partial: bool = False) -> type[BaseModel]:
     """The `train:` section, derived from the training settings (testbed/train/settings.py): every setting an
-    experiment file may set, with the same type, default, choices and range, so errors name the field."""
+    experiment file may set, with the same type, default, choices and range, so errors name the field.
+    partial: a recipe's `train:`, where every setting is optional and unset ones are left out of the merge."""
     fields = {}
     for s in settings.described():
         if not s.file:
             continue
-        tp = Literal[s.choices] if s.choices else list[str] if s.kind is list else s.kind
-        if s.optional:
+        tp = Literal[s.choices] if s.choices else getattr(s, "annotation", list[str] if s.kind is list else s.kind)
+        if s.optional or partial:
             tp = tp | None
-        fields[s.name] = (tp, Field(default=... if s.required else s.default, ge=s.ge, gt=s.gt, le=s.le,
-                                    description=s.help))
-    return create_model("TrainSpec", __base__=_Strict, **fields)
+        default = None if partial else ... if s.required else s.default
+        fields[s.name] = (tp, Field(default=default, ge=s.ge, gt=s.gt, le=s.le, description=s.help))
+    return create_model("PartialTrainSpec" if partial else "TrainSpec", __base__=_Strict, **fields)
 
 
 TrainSpec = train_spec()
+PartialTrainSpec = train_spec(partial=True)
 ModelName = Literal[tuple(PRESETS)]
 
 
@@ -71,13 +93,29 @@ class LatencySpec(_Strict):
     count: int = Field(default=500, ge=10)
 
 
+class LinkSpec(_Strict):
+    """A recipe's link settings (engine, scope tensor), applied to every link of the point's topology like the
+    BER. element defaults to the recipe's wire_dtype; a clean point (BER 0) gets no residual errors either."""
+    element: Literal["fp32", "bf16", "fp16"] | None = None
+    protect: list[Literal["sign", "exponent", "mantissa"] | Annotated[int, Field(ge=0, le=31)]] | None = None
+    protected_ber: Ber | None = None
+
+
+class RecipeSpec(_Strict):
+    description: str | None = None
+    train: PartialTrainSpec = Field(default_factory=PartialTrainSpec)
+    link: LinkSpec = Field(default_factory=LinkSpec)
+
+
 class ExperimentFile(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,15}$")
     description: str | None = None
     model: ModelName = settings.default_of("model")
     steps: int = Field(ge=1)
     runtime: Literal["netns", "docker"] | None = None
+    tokens_per_step: int | None = Field(default=None, ge=1, description="tokens per optimizer step, both modes")
     topologies: dict[Literal["ddp", "pp"], str]
+    recipes: dict[Annotated[str, Field(pattern=RECIPE_NAME)], RecipeSpec] = Field(default_factory=dict)
     grid: GridSpec
     train: TrainSpec = Field(default_factory=TrainSpec)
     latency: LatencySpec | None = None
@@ -100,18 +138,23 @@ class Point:
     scope: str
     checksum: str
     seed: int
+    recipe: str = DEFAULT_RECIPE
 
     @property
     def id(self) -> str:
-        return f"{self.mode}-ber{format_ber(self.ber)}-{self.scope}-{self.checksum}-s{self.seed}"
+        """e.g. ddp-ber1e-5-tensor-fix-s1; another recipe than the default goes before the seed:
+        ddp-ber1e-5-tensor-fix-sanitize-s1."""
+        recipe = "" if self.recipe == DEFAULT_RECIPE else f"-{self.recipe}"
+        return f"{self.mode}-ber{format_ber(self.ber)}-{self.scope}-{self.checksum}{recipe}-s{self.seed}"
 
     @property
     def baseline(self) -> "Point":
-        """The clean run this point is compared with: same mode and seed at BER 0."""
-        return Point(self.mode, 0.0, self.scope, self.checksum, self.seed)
+        """The clean run this point is compared with: same recipe, mode, scope, checksum and seed at BER 0."""
+        return Point(self.mode, 0.0, self.scope, self.checksum, self.seed, self.recipe)
 
     def params(self) -> dict:
-        return {"mode": self.mode, "ber": self.ber, "scope": self.scope, "checksum": self.checksum, "seed": self.seed}
+        return {"recipe": self.recipe, "mode": self.mode, "ber": self.ber, "scope": self.scope,
+                "checksum": self.checksum, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -139,6 +182,8 @@ class Experiment:
                 exp.topology(mode)
             except TopologyError as e:
                 problems.append((f"topologies.{mode}", str(e)))
+        if not problems:
+            problems += exp._recipe_problems()
         if spec.latency is not None:
             # checked now, not after the training points (which may take hours)
             try:
@@ -163,21 +208,134 @@ class Experiment:
                 return base / cand
         return self.base_dir / cand
 
+    def _recipe_problems(self) -> list[tuple[str, str]]:
+        """The recipes in the grid exist; tokens_per_step divides into whole batches; every (recipe, mode)
+        gives valid training settings; link settings meet the grid (scope tensor, protected_ber <= BER)."""
+        spec, problems = self.spec, []
+        defined = [DEFAULT_RECIPE] + [r for r in spec.recipes if r != DEFAULT_RECIPE]
+        for i, name in enumerate(spec.grid.recipe):
+            if name not in defined:
+                problems.append((f"grid.recipe[{i}]", f"unknown recipe {name!r} (the file defines: "
+                                                      f"{', '.join(defined)})"))
+        if problems:
+            return problems
+        if spec.tokens_per_step is not None:
+            setters = ["train"] * ("batch_size" in spec.train.model_fields_set) + [
+                f"recipes.{n}.train" for n, r in spec.recipes.items() if "batch_size" in r.train.model_fields_set]
+            problems += [(f"{w}.batch_size", "tokens_per_step sets the batch size of every mode: set one of them, "
+                                             "not both") for w in setters]
+        bers = [b for b in spec.grid.ber if b > 0]
+        for name in [None, *dict.fromkeys(spec.grid.recipe)]:  # None: the file's train: alone
+            for mode in spec.grid.mode:
+                try:
+                    self._settings(Point(mode, 0.0, "tensor", "fix", 0), self.recipe(name) if name else None)
+                except ValueError as e:
+                    path = "tokens_per_step" if "tokens_per_step" in str(e) else (
+                        f"recipes.{name}.train" if name else "train")
+                    problems.append((path, f"{mode}: {e}"))
+            if name is None:
+                if problems:
+                    return problems  # every recipe would repeat them
+                continue
+            link = self.recipe(name).link
+            if link.model_dump(exclude_none=True) and set(spec.grid.scope) != {"tensor"}:
+                problems.append((f"recipes.{name}.link", "element, protect and protected_ber need scope tensor "
+                                                          f"(the grid also runs scope {', '.join(spec.grid.scope)})"))
+            merged = {**spec.train.model_dump(), **self.recipe(name).train.model_dump(exclude_unset=True)}
+            element = link.element or merged.get("wire_dtype") or "fp32"
+            width = 32 if element == "fp32" else 16
+            for i, bit in enumerate(link.protect or []):
+                if isinstance(bit, int) and bit >= width:
+                    problems.append((f"recipes.{name}.link.protect[{i}]",
+                                     f"bit {bit} is not a bit of a {element} value (0-{width - 1})"))
+            if link.protected_ber and bers and link.protected_ber > min(bers):
+                problems.append((f"recipes.{name}.link.protected_ber",
+                                 f"must not exceed the grid's smallest BER > 0, {min(bers):g} (protected bits err "
+                                 "at most as often as the line)"))
+        return problems
+
     def topology(self, mode: str) -> Topology:
         return Topology.load(self.resolve(self.spec.topologies[mode]))
+
+    def recipe(self, name: str) -> RecipeSpec:
+        """A recipe by name; `default` is the empty recipe unless the file defines it."""
+        return self.spec.recipes.get(name) or RecipeSpec()
+
+    def world_size(self, mode: str, hosts: int | None = None) -> int:
+        """Ranks of a mode's points: the topology's hosts, or the first `hosts` of them."""
+        n = len(self.topology(mode).hosts)
+        return min(n, hosts) if hosts else n
+
+    def train_settings(self, point: Point) -> "settings.TrainSettings":
+        """The point's settings: the file's `train:` (defaults filled in) with its recipe's `train:` over it, the
+        batch size from tokens_per_step, model and steps from the top, mode and seed from the grid, point_timeout
+        as the run's limit. Collectives only matter under scope tensor. ValueError when they do not fit."""
+        return self._settings(point, self.recipe(point.recipe))
+
+    def _settings(self, point: Point, recipe: RecipeSpec | None) -> "settings.TrainSettings":
+        t = self.spec.train.model_dump()
+        if recipe is not None:
+            t.update(recipe.train.model_dump(exclude_unset=True))
+        if point.scope != "tensor":
+            t["collectives"] = None
+        tokens = self.spec.tokens_per_step
+        if tokens is not None:
+            seq = t["seq_len"] or PRESETS[self.spec.model].n_positions
+            per = seq * (self.world_size(point.mode, t["hosts"]) if point.mode == "ddp" else 1)
+            if tokens % per:
+                what = "seq_len x ranks" if point.mode == "ddp" else "seq_len"
+                raise ValueError(f"tokens_per_step {tokens} is not a multiple of {what} = {per}")
+            t["batch_size"] = tokens // per
+            micro = t["microbatches"] or self.world_size(point.mode, t["hosts"])
+            if point.mode == "pp" and t["batch_size"] % micro:
+                raise ValueError(f"tokens_per_step {tokens} gives a batch of {t['batch_size']} sequences, not a "
+                                 f"multiple of {micro} micro-batches")
+        return settings.TrainSettings(mode=point.mode, model=self.spec.model, steps=self.spec.steps,
+                                      seed=point.seed, run_timeout=self.spec.point_timeout, **t)
+
+    def tokens_per_step(self, point: Point) -> int:
+        """Tokens per optimizer step: batch x seq_len, times the ranks for DDP (PP's batch is global)."""
+        cfg = self.train_settings(point)
+        seq = cfg.seq_len or PRESETS[cfg.model].n_positions
+        return cfg.batch_size * seq * (self.world_size(point.mode, cfg.hosts) if point.mode == "ddp" else 1)
+
+    def link_settings(self, point: Point) -> dict:
+        """The recipe's link settings that train() applies to every link, unset ones left out. element defaults
+        to the wire dtype (scope tensor: the engine's field counters and protection need the value layout);
+        a clean point has no residual errors on protected bits either."""
+        link = self.recipe(point.recipe).link.model_dump(exclude_none=True)
+        wire = self.train_settings(point).wire_dtype
+        if point.scope == "tensor" and "element" not in link and (wire != "fp32" or link.get("protect")):
+            link["element"] = wire
+        if point.ber == 0 and link.get("protected_ber"):
+            link["protected_ber"] = 0.0
+        return link
 
     def points(self) -> list[Point]:
         """The grid, with any missing BER-0 baselines added, baselines first (deviation needs them)."""
         g = self.spec.grid
-        pts = [Point(m, b, s, c, seed) for m, b, s, c, seed in itertools.product(g.mode, g.ber, g.scope, g.checksum, g.seed)]
+        pts = [Point(m, b, s, c, seed, r) for r, m, b, s, c, seed
+               in itertools.product(g.recipe, g.mode, g.ber, g.scope, g.checksum, g.seed)]
         base = {p.baseline for p in pts}
-        ordered = sorted(base, key=_order) + sorted((p for p in pts if p not in base), key=_order)
-        return ordered
 
-    def fingerprint(self, runtime: str | None = None) -> str:
-        """Identifies everything that shapes a point's result but the grid: model, steps, training settings,
-        the topology files' contents and the runtime. A re-run reuses a finished point only if it matches."""
-        d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies"})
+        def order(p: Point) -> tuple:
+            return (p.mode, p.scope, p.checksum, g.recipe.index(p.recipe), p.ber, p.seed)
+
+        return sorted(base, key=order) + sorted((p for p in pts if p not in base), key=order)
+
+    def fingerprint(self, runtime: str | None = None, recipe: str = DEFAULT_RECIPE) -> str:
+        """Identifies everything that shapes the result of a recipe's points but the grid: model, steps, the
+        training settings with the recipe's over them, its link settings, tokens_per_step, the topology files'
+        contents and the runtime. A re-run reuses a finished point only if it matches. A file without recipes
+        and tokens_per_step hashes as it did before they existed."""
+        d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies",
+                                          "recipes", "tokens_per_step"})
+        r = self.recipe(recipe)
+        d["train"].update(r.train.model_dump(exclude_unset=True))
+        if r.link.model_dump(exclude_none=True):
+            d["link"] = r.link.model_dump(exclude_none=True)
+        if self.spec.tokens_per_step is not None:
+            d["tokens_per_step"] = self.spec.tokens_per_step
         d["topologies"] = {m: hashlib.sha256(self.resolve(f).read_bytes()).hexdigest()
                            for m, f in sorted(self.spec.topologies.items())}
         d["runtime"] = runtime or self.spec.runtime or "netns"
@@ -190,7 +348,3 @@ class Experiment:
         if raw.get("latency"):
             raw["latency"]["topology"] = str(self.resolve(raw["latency"]["topology"]).resolve())
         return yaml.safe_dump(raw, sort_keys=False)
-
-
-def _order(p: Point) -> tuple:
-    return (p.mode, p.scope, p.checksum, p.ber, p.seed)

@@ -1,15 +1,18 @@
 """Analytical models that the experiment report overlays on measurements.
 
-Five parts, all pure functions (numpy/scipy only, no torch):
+Six parts, all pure functions (numpy/scipy only, no torch):
 
 1. flip counts: expected bit flips per training step for DDP (gloo ring allreduce) and pipeline parallelism,
    error-free probabilities, corrupted fp32 elements, TCP-checksum drops and retransmissions;
 2. fp32 bit-flip statistics: the value after a flip, |delta| per bit position, the chance a flip is catastrophic;
 3. weight noise: a first-order estimate of how far corrupted gradients push the weights away from a clean run
    (SGD and AdamW, with or without global-norm clipping) and the BER at which catastrophic hits become routine;
-4. link latency: serialization + propagation + KP4 RS(544,514) FEC, versus a relaxed link that delivers errored
+4. recipes: per wire dtype (fp32, bf16, fp16), protected bits and guard (skip, stop, none, sanitize), the
+   expected lost-step fraction 1 - exp(-lambda) (lambda summed over every rank and hop), sanitized values,
+   frozen elements and the bounded noise of mantissa-only errors (`predict_recipe`);
+5. link latency: serialization + propagation + KP4 RS(544,514) FEC, versus a relaxed link that delivers errored
    frames, versus retransmission (link-level or TCP), and KP4's post-FEC BER under independent bit errors;
-5. `markdown_tables()`: the numbers of docs/theory.md (`python -m testbed.experiments.theory`).
+6. `markdown_tables()`: the numbers of docs/theory.md (`python -m testbed.experiments.theory`).
 
 Units: BER is a probability per bit; sizes are bits or bytes as the names say; times are seconds; lengths meters;
 rates bits per second. Derivations and assumptions: docs/theory.md.
@@ -444,7 +447,279 @@ def catastrophic_threshold_ber(error_bits_per_step: float, p_catastrophic_per_fl
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Link latency and KP4 FEC
+# 4. Recipes: lost steps, sanitized and frozen values, bounded noise (per wire dtype, protection and guard)
+# ---------------------------------------------------------------------------------------------------------------
+
+WIRE_FORMATS = {"fp32": (8, 23), "bf16": (8, 7), "fp16": (5, 10)}  # exponent bits, mantissa bits; sign on top
+NORM_OVERFLOW = math.sqrt(FP32_MAX)  # 1.8e19: one value above it makes the fp32 sum of squares (the norm) Inf
+FROZEN_EXP_AVG_SQ = 1e6  # testbed/train/recipe.py: an Adam element whose second moment exceeds this is frozen
+GUARDS = ("skip", "stop", "none", "sanitize")
+
+
+def wire_bits(dtype: str) -> int:
+    """Bits per value on the wire: 32 for fp32, 16 for bf16 and fp16."""
+    if dtype not in WIRE_FORMATS:
+        raise ValueError(f"wire dtype must be one of {', '.join(WIRE_FORMATS)}, got {dtype!r}")
+    e, m = WIRE_FORMATS[dtype]
+    return 1 + e + m
+
+
+def field_positions(dtype: str) -> dict[str, range]:
+    """Bit positions (0 = LSB) of each field: fp32 mantissa 0-22, exponent 23-30, sign 31; bf16 7/8/1; fp16 10/5/1."""
+    bits = wire_bits(dtype)
+    e, m = WIRE_FORMATS[dtype]
+    return {"mantissa": range(0, m), "exponent": range(m, m + e), "sign": range(bits - 1, bits)}
+
+
+def protected_positions(dtype: str, protect) -> frozenset[int]:
+    """The positions `protect` covers: field names (sign, exponent, mantissa) and/or bit positions."""
+    fields, out = field_positions(dtype), set()
+    for item in protect or ():
+        if isinstance(item, str):
+            if item not in fields:
+                raise ValueError(f"protect: unknown field {item!r} (sign, exponent, mantissa)")
+            out.update(fields[item])
+        elif 0 <= int(item) < wire_bits(dtype):
+            out.add(int(item))
+        else:
+            raise ValueError(f"protect: bit {item} is not a bit of a {dtype} value (0-{wire_bits(dtype) - 1})")
+    return frozenset(out)
+
+
+def bit_error_rates(ber, dtype: str = "fp32", protect=None, protected_ber: float = 0.0) -> np.ndarray:
+    """Per bit position, the probability that a transmitted value has that bit flipped: `ber` on exposed bits,
+    `protected_ber` on protected ones (the link protects them, e.g. with FEC, down to that residual rate)."""
+    rates = np.full(wire_bits(dtype), float(ber))
+    rates[sorted(protected_positions(dtype, protect))] = float(protected_ber)
+    return rates
+
+
+def _bf16_words(x) -> np.ndarray:
+    """float32 words of x rounded to bfloat16 (round to nearest even, as torch converts), low 16 bits zero."""
+    w = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    w = (w + 0x7FFF + ((w >> 16) & 1)) & 0xFFFF0000
+    return w.astype(np.uint32)
+
+
+def to_wire(values, dtype: str = "fp32") -> np.ndarray:
+    """The values as the wire carries them (rounded to `dtype`), as float64."""
+    x = np.asarray(values, dtype=np.float32)
+    if dtype == "fp16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float64)
+    if dtype == "bf16":
+        return _bf16_words(x).view(np.float32).astype(np.float64)
+    wire_bits(dtype)
+    return x.astype(np.float64)
+
+
+def flip_wire(values, k: int, dtype: str = "fp32") -> np.ndarray:
+    """float64 values after bit k (0 = LSB) of their `dtype` encoding is flipped (values rounded to dtype first)."""
+    if not 0 <= k < wire_bits(dtype):
+        raise ValueError(f"bit {k} is not a bit of a {dtype} value")
+    x = np.asarray(values, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if dtype == "fp32":
+            return flip_bit(x, k).astype(np.float64)
+        if dtype == "fp16":
+            w = x.astype(np.float16).view(np.uint16) ^ np.uint16(1 << k)
+            return w.view(np.float16).astype(np.float64)
+        return (_bf16_words(x) ^ np.uint32(1 << (k + 16))).view(np.float32).astype(np.float64)
+
+
+@dataclass(frozen=True)
+class BitOutcomes:
+    """What one flip of each bit position does to a sample of values (arrays indexed by position, 0 = LSB).
+    `bad`: the flipped value is not finite or exceeds `threshold` in magnitude (the norm overflows, or the
+    sanitizer zeroes it); `nonfinite`: Inf/NaN; `frozen_weight`: Adam, no clipping: the flipped value pushes the
+    element's second moment above FROZEN_EXP_AVG_SQ, weighted by the chance min(1, T/steps) that it is still
+    there at the end of a run of `steps` steps when hit at a uniform step (T: steps for v to decay below it);
+    `rel_sq`: E[min((x' - x)/x, cap)^2] over the values whose flip is not bad (0 for the bad ones)."""
+    dtype: str
+    threshold: float
+    bad: np.ndarray
+    nonfinite: np.ndarray
+    frozen_weight: np.ndarray
+    rel_sq: np.ndarray
+
+
+def bit_outcomes(values, dtype: str = "fp32", threshold: float = NORM_OVERFLOW, *, cap: float = math.inf,
+                 steps: int = 1, beta2: float = 0.95) -> BitOutcomes:
+    """BitOutcomes of a value sample (the values are first rounded to the wire dtype; zeros are left out of the
+    relative error)."""
+    x = to_wire(values, dtype)
+    cols = {"bad": [], "nonfinite": [], "frozen_weight": [], "rel_sq": []}
+    for k in range(wire_bits(dtype)):
+        y = flip_wire(values, k, dtype)
+        finite = np.isfinite(y)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            bad = ~finite | (np.abs(y) > threshold)
+            rel = np.where(x != 0, np.abs(y - x) / np.where(x != 0, np.abs(x), 1.0), 0.0)
+            v = (1 - beta2) * np.where(finite, y, 0.0) ** 2
+            stay = np.log(np.maximum(v, FROZEN_EXP_AVG_SQ) / FROZEN_EXP_AVG_SQ) / math.log(1 / beta2)
+        cols["bad"].append(bad.mean())
+        cols["nonfinite"].append((~finite).mean())
+        cols["frozen_weight"].append(np.where(finite, np.minimum(1.0, stay / steps), 0.0).mean())
+        cols["rel_sq"].append(np.where(bad, 0.0, np.minimum(rel, cap) ** 2).mean())
+    return BitOutcomes(dtype, threshold, **{k: np.array(v) for k, v in cols.items()})
+
+
+def wire_values_per_step(mode: str, n_ranks: int, n_params: int | None = None, batch_size: int | None = None,
+                         seq_len: int | None = None, width: int | None = None) -> dict[str, float]:
+    """Values crossing the data links per optimizer step, all links together, by kind.
+
+    DDP (gloo ring allreduce): each of the N ranks sends 2(N-1)/N of the n gradient values (reduce-scatter and
+    allgather), so 2(N-1) n gradient values cross. PP: each of the S-1 stage boundaries carries the B T d
+    activations forward and as many activation gradients backward (B the global batch)."""
+    if n_ranks < 2:
+        raise ValueError("a ring or a pipeline needs at least 2 ranks")
+    if mode == "ddp":
+        return {"gradient": 2.0 * (n_ranks - 1) * param_count(n_params)}
+    if mode == "pp":
+        per_boundary = float(batch_size * seq_len * width)
+        return {"activation": (n_ranks - 1) * per_boundary, "gradient": (n_ranks - 1) * per_boundary}
+    raise ValueError(f"mode must be ddp or pp, got {mode!r}")
+
+
+def frozen_fraction(hits_per_step_per_element, steps: int):
+    """Fraction of elements hit at least once in `steps` steps, each step hitting a uniformly random element
+    `hits_per_step_per_element` x n times: 1 - (1 - 1/n)^(h n K) -> 1 - exp(-h K)."""
+    return -np.expm1(-np.asarray(hits_per_step_per_element, dtype=float) * steps)
+
+
+@dataclass(frozen=True)
+class RecipePrediction:
+    """The theory of one grid point (a recipe, a mode, a BER): expected counts per optimizer step.
+
+    catastrophic: the expected number of values per step that arrive non-finite or large enough to make the
+    fp32 gradient norm (or the loss) non-finite, summed over every rank and every hop (the union: any rank's Inf
+    skips the step everywhere). lost: lambda, the part of them that loses the step: all under skip and stop,
+    and under guard none with norm clipping (the Inf norm zeroes the gradient); none under sanitize (zeroed
+    first) and under guard none without norm clipping (they reach the optimizer: frozen elements, or the end).
+    p_step_lost = 1 - exp(-lambda); p_step_skipped: what the run's skipped_steps / steps counts.
+    """
+    mode: str
+    ber: float
+    wire_dtype: str
+    guard: str
+    clip: str
+    values_per_step: float      # all links, all kinds
+    flips_per_step: float       # expected bit flips on the wire (exposed and protected bits)
+    catastrophic: float         # (above)
+    lost: float                 # lambda (above)
+    lost_forward: float         # PP: the part of lambda that arrives as activations (forward), else 0
+    nonfinite: float            # expected Inf/NaN values arriving per step (all links)
+    p_step_lost: float
+    p_step_skipped: float
+    sanitized_per_step: float   # guard sanitize: values zeroed per step, summed over ranks (0 otherwise)
+    frozen_fraction: float | None  # DDP, AdamW, guard none, no clipping: elements frozen at the end, per rank
+    p_run_completes: float      # no run-ending event in `steps` (guard stop: any lost step; none: Inf/NaN, SGD huge)
+    noise_deviation: float | None  # DDP: deviation from the bounded (not lost, not frozen) errors, an estimate
+
+
+def predict_recipe(ber, mode: str, n_ranks: int, *, n_params: int | str | None = None, batch_size: int | None = None,
+                   seq_len: int | None = None, width: int | None = None, wire_dtype: str = "fp32", protect=None,
+                   protected_ber: float = 0.0, guard: str = "skip", clip: str = "norm", grad_clip: float = 1.0,
+                   optimizer: str = "adamw", sanitize_threshold: float = 1e3, steps: int = 100, lr: float = 1e-3,
+                   betas=(0.9, 0.95), gradient_values=None, activation_values=None) -> RecipePrediction:
+    """RecipePrediction for a scalar BER (docs/theory.md, section 4). Value samples: gradients log-normal, half a
+    decade wide, with median 0.5/sqrt(n) (DDP; 1e-3 for tiny, which measured a median of 1.2e-3 and a maximum 275
+    times that over its 236,928 elements at initialisation) or 1e-3 (PP activation gradients); activations
+    normal(0, 1). Pass measured samples when there are some."""
+    if guard not in GUARDS:
+        raise ValueError(f"guard must be one of {', '.join(GUARDS)}, got {guard!r}")
+    clipping = "none" if (clip == "none" or not grad_clip) else clip
+    n = param_count(n_params) if mode == "ddp" else None
+    kinds = wire_values_per_step(mode, n_ranks, n, batch_size, seq_len, width)
+    if gradient_values is None:
+        gradient_values = typical_gradient_values(median_abs=0.5 / math.sqrt(n) if n else 1e-3, decades=0.5)
+    samples = {"gradient": gradient_values,
+               "activation": typical_activation_values() if activation_values is None else activation_values}
+    rates = bit_error_rates(ber, wire_dtype, protect, protected_ber)
+    threshold = sanitize_threshold if guard == "sanitize" else NORM_OVERFLOW
+    cap = adam_hit_displacement(1.0, betas) if optimizer == "adamw" else math.inf
+    out = {kind: bit_outcomes(samples[kind], wire_dtype, threshold, cap=cap, steps=steps, beta2=betas[1])
+           for kind in kinds}
+    bad = {kind: kinds[kind] * float(rates @ o.bad) for kind, o in out.items()}
+    nonfinite = sum(kinds[kind] * float(rates @ o.nonfinite) for kind, o in out.items())
+    # sanitize zeroes them first; guard none without norm clipping hands them to the optimizer
+    loses = not (guard == "sanitize" or (guard == "none" and clipping != "norm"))
+    lost = sum(bad.values()) if loses else 0.0
+    p_lost = float(-np.expm1(-lost))
+    frozen = None
+    # the share of a value's hits that reach one rank's gradient: DDP ring, per gradient value crossing (the
+    # 2(N-1) n crossings put 1.5 (N-1) errors into each rank's n elements: 0.75 N per crossing), PP once
+    reach = 0.75 * n_ranks if mode == "ddp" else 1.0
+    if mode == "ddp" and optimizer == "adamw" and guard == "none" and clipping == "none":
+        per_element = kinds["gradient"] * float(rates @ out["gradient"].frozen_weight) * reach / n_ranks / n
+        frozen = float(frozen_fraction(per_element, steps))
+    ending = {"stop": lost, "none": nonfinite + (sum(bad.values()) if optimizer == "sgd" and clipping == "none"
+                                                 else 0.0)}
+    noise = None
+    if mode == "ddp":
+        # every error that reaches a rank's gradient and is neither lost nor frozen moves that element by
+        # ~ lr x (relative error, capped by Adam) x g/sqrt(v), E[(g/sqrt v)^2] ~ 1; a sanitized value loses the
+        # element's gradient (relative error 1). Random walk over the steps.
+        o = out["gradient"]
+        rel = float(rates @ o.rel_sq) + (float(rates @ o.bad) if guard == "sanitize" else 0.0)
+        noise = lr * math.sqrt(steps * kinds["gradient"] * reach / n_ranks * rel)
+    return RecipePrediction(
+        mode=mode, ber=float(ber), wire_dtype=wire_dtype, guard=guard, clip=clipping,
+        values_per_step=sum(kinds.values()), flips_per_step=float(rates.sum()) * sum(kinds.values()),
+        catastrophic=sum(bad.values()), lost=lost, lost_forward=bad.get("activation", 0.0) if loses else 0.0,
+        nonfinite=nonfinite,
+        p_step_lost=p_lost, p_step_skipped=p_lost if guard in ("skip", "sanitize", "stop") else 0.0,
+        sanitized_per_step=sum(bad.values()) * reach if guard == "sanitize" else 0.0,
+        frozen_fraction=frozen, p_run_completes=float(np.exp(-ending.get(guard, 0.0) * steps)),
+        noise_deviation=noise)
+
+
+TABLE_RECIPES = {"default (fp32, skip, clip norm)": {}, "bf16 wire": {"wire_dtype": "bf16"},
+                 "fp16 wire": {"wire_dtype": "fp16"}, "protect sign+exponent": {"protect": ["sign", "exponent"]},
+                 "sanitize (1e3)": {"guard": "sanitize"}, "guard none, no clip": {"guard": "none", "clip": "none"}}
+TABLE_SETUPS = {  # name: (DDP kwargs, PP kwargs, steps, lr)
+    "tiny, 2 ranks/stages, 1,024 tokens per step": (
+        {"n_ranks": 2, "n_params": "tiny"}, {"n_ranks": 2, "batch_size": 16, "seq_len": 64, "width": 64}, 100, 3e-3),
+    "GPT-2 124M, 4 ranks/stages, PP batch 8 x 1024": (
+        {"n_ranks": 4, "n_params": "gpt2-124m"}, {"n_ranks": 4, "batch_size": 8, "seq_len": 1024, "width": 768},
+        300, 6e-4),
+}
+
+
+def recipe_table(ber: float = 1e-5, noise_ber: float = 1e-4) -> str:
+    """docs/theory.md, section 4: per recipe and setup, the BER at which lambda = 1 (63 % of the steps lost) and
+    the predictions at `ber` (lost fraction, sanitized values, frozen fraction) and `noise_ber` (deviation)."""
+    out = []
+    header = ["recipe", "DDP: λ = 1 at BER", "PP: λ = 1 at BER", f"DDP lost at {ber:g}", f"PP lost at {ber:g}",
+              "PP: forward share of λ", f"DDP sanitized per step at {ber:g}", f"DDP frozen at the end, {ber:g}",
+              f"DDP noise deviation at {noise_ber:g}"]
+    for setup, (ddp_kw, pp_kw, steps, lr) in TABLE_SETUPS.items():
+        out += [f"\n#### {setup}, {steps} steps, lr {lr:g}\n", "| " + " | ".join(header) + " |",
+                "|" + "---|" * len(header)]
+        for name, kw in TABLE_RECIPES.items():
+            common = dict(steps=steps, lr=lr, **kw)
+            d = {b: predict_recipe(b, "ddp", **ddp_kw, **common) for b in (1e-6, ber, noise_ber)}
+            p = {b: predict_recipe(b, "pp", **pp_kw, **common) for b in (1e-6, ber)}
+            at_one = lambda x: _g(1e-6 / x.lost) if x.lost else "none"  # noqa: E731 (lambda is linear in BER)
+            cells = [name, at_one(d[1e-6]), at_one(p[1e-6]), _g(d[ber].p_step_lost), _g(p[ber].p_step_lost),
+                     _g(p[ber].lost_forward / p[ber].lost) if p[ber].lost else "—",
+                     _g(d[ber].sanitized_per_step) if kw.get("guard") == "sanitize" else "—",
+                     "—" if d[ber].frozen_fraction is None else _g(d[ber].frozen_fraction),
+                     _g(d[noise_ber].noise_deviation)]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n### Recipes (section 4): lost steps, sanitized and frozen values, bounded noise\n" + "\n".join(out)
+
+
+def mantissa_noise_bound(ber, dtype: str = "fp32") -> float:
+    """Upper bound of E[((x' - x)/x)^2] per value when only the mantissa is exposed: a flip of mantissa bit k
+    (of m) changes x by at most 2^(k-m) |x|, so the sum over independent flips is b sum_k 4^(k-m) =
+    b (1 - 4^-m) / 3 (first order in b; equality for x = +-2^E)."""
+    m = WIRE_FORMATS[dtype][1] if dtype in WIRE_FORMATS else wire_bits(dtype)
+    return float(ber) * (1 - 4.0 ** -m) / 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Link latency and KP4 FEC
 # ---------------------------------------------------------------------------------------------------------------
 
 FIBER_DELAY_S_PER_M = 5e-9  # group index ~1.47-1.5: light travels ~0.2 m/ns in fiber
@@ -591,7 +866,7 @@ def latency_comparison(frame_bytes: int, rate_bps: float, length_m: float, ber: 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. Tables for docs/theory.md
+# 6. Tables for docs/theory.md
 # ---------------------------------------------------------------------------------------------------------------
 
 def _g(x: float) -> str:
@@ -651,6 +926,7 @@ def markdown_tables(bers=(1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3), steps: int 
         out.append(f"\nCatastrophic-hit threshold, {stages} stages: BER = "
                    f"{_g(catastrophic_threshold_ber(bits, act.p_catastrophic))}; one Inf/NaN expected within "
                    f"{steps} steps at BER {_g(catastrophic_threshold_ber(bits * steps, act.p_nonfinite))}")
+    out.append(recipe_table())
     out.append("\n### TCP checksum \"keep\": drops and retransmissions (1448-byte segments, payload-only flips)\n")
     out.append("| BER | P(segment dropped) | retransmissions per segment |")
     out.append("|---|---|---|")
