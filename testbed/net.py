@@ -28,8 +28,9 @@ from .topo import Link, LinkImpairment, Topology
 
 MGMT_IFNAME = "mgmt0"
 # Counters that `counter_delta` subtracts by default (what a training summary reports per link direction).
-COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced", "bits_exposed",
-                  "flips_sign", "flips_exponent", "flips_mantissa")
+COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced")
+# Tensor-scope engines also count flips by field of the value and the unprotected bits they saw.
+FIELD_COUNTERS = ("bits_exposed", "flips_sign", "flips_exponent", "flips_mantissa")
 # What `counter_delta` copies as it is from the later snapshot (the settings in force at its end).
 COUNTER_KEPT = ("link", "direction", "alive", "ber", "scope", "checksum")
 # Live-settable engine settings that `links_restored` puts back.

@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..net import MGMT_IFNAME, Testbed
+from ..net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME, Testbed
 from ..state import write_json_atomic
 from ..topo import Topology
 from ..train.model import PRESETS
@@ -82,7 +82,7 @@ def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dic
         f"{', '.join(hosts)}, {cfg.steps} steps")
     summary = run_workers(spawn, len(hosts), cfg.worker_argv(), run_dir, env_for_rank,
                           timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
-    engines = list(tb.counters_since(before).values())
+    engines = list(tb.counters_since(before, fields=COUNTER_FIELDS + FIELD_COUNTERS).values())
     seen = sum(e["bits_seen"] for e in engines)
     flipped = sum(e["bits_flipped"] for e in engines)
     blame_the_wire(summary, flipped)
