@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from testbed.runtime.base import RESOLV_CONF
+
 from conftest import ROOT, leftovers, root_links, running, tb_cli, unique_name
 
 PORT = 5301
@@ -141,6 +143,10 @@ def test_two_topologies_do_not_interfere(load_topology, runtime):
             for t in (ta, tb):
                 for h in t.topo.hosts:
                     assert t.run(h, ["hostname"], check=True).stdout.strip() == h
+                    # names come from the topology's hosts file; the resolver has no server to wait for
+                    assert t.run(h, ["cat", "/etc/resolv.conf"], check=True).stdout == RESOLV_CONF
+                    peer = t.run(h, ["getent", "hosts", "h2-mgmt"], check=True).stdout.split()
+                    assert peer[0] == str(t.topo.plan.mgmt["h2"].ip), peer
                     netns = t.run(h, ["readlink", "/proc/self/ns/net"], check=True).stdout.strip()
                     assert netns == f"net:[{os.stat(t.host(h).netns).st_ino}]", (t.name, h, netns)
         # b is gone; a still works.

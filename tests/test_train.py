@@ -110,6 +110,34 @@ def test_gpt2_124m_has_gpt2_small_parameter_count():
     assert model.lm_head.weight is model.transformer.wte.weight  # tied, as in GPT-2
 
 
+def test_model_computes_what_transformers_gpt2_computes():
+    """testbed/train/gpt.py is GPT-2: with GPT2LMHeadModel's weights it gives GPT2LMHeadModel's logits."""
+    transformers = pytest.importorskip("transformers")
+    from testbed.train.gpt import load_gpt2_state_dict
+
+    p = PRESETS["tiny"]
+    config = transformers.GPT2Config(n_layer=p.n_layer, n_head=p.n_head, n_embd=p.n_embd, n_positions=p.n_positions,
+                                     vocab_size=p.vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     tie_word_embeddings=True)
+    torch.manual_seed(5)
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    model = build_model("tiny", 0).eval()
+    assert {n for n, _ in model.named_parameters()} <= set(reference.state_dict())  # same names
+    assert count_params(model) == count_params(reference)
+    load_gpt2_state_dict(model, reference.state_dict())
+    idx = torch.randint(0, p.vocab_size, (2, p.n_positions), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=idx).logits
+        got = model(idx)
+    # the same arithmetic up to summation order inside the kernels: float32 rounding, not a different model
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5), (got - expected).abs().max()
+    # and the initialisation follows GPT-2's scheme: std 0.02, residual projections scaled by 1/sqrt(2 n_layer)
+    big = build_model("small", 0)
+    assert abs(float(big.transformer.wte.weight.detach().std()) - 0.02) < 0.001
+    c_proj = big.transformer.h[0].attn.c_proj.weight.detach()
+    assert abs(float(c_proj.std()) - 0.02 / (2 * PRESETS["small"].n_layer) ** 0.5) < 0.001
+
+
 def test_init_is_deterministic_per_seed():
     a, b, c = build_model("tiny", 1), build_model("tiny", 1), build_model("tiny", 2)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
@@ -124,7 +152,7 @@ def test_stages_compute_exactly_the_full_model(n_stages):
     stages = split_stages(model, n_stages)
     for stage in stages:
         h = stage(h)
-    assert torch.equal(h, model(input_ids=idx).logits)
+    assert torch.equal(h, model(idx))
     if n_stages > 1:  # the last stage's head is its own copy of wte (first and last stage on different hosts)
         assert stages[-1].lm_head.weight is not model.transformer.wte.weight
         assert torch.equal(stages[-1].lm_head.weight, model.transformer.wte.weight)
@@ -238,7 +266,7 @@ def test_exceptions_inside_torch_distributed_layers_while_training_are_crashes()
         assert classify(e, "training")[1] == "crashed"
     # the model's own exception inside DDP's forward is not DDP's; nor is one of this package's
     model_bug = raised_through(ValueError("shapes"), f"{TORCH}/nn/parallel/distributed.py",
-                               "/venv/lib/python3.11/site-packages/transformers/models/gpt2/modeling_gpt2.py",
+                               "/venv/lib/python3.11/site-packages/testbed/train/gpt.py",
                                f"{TORCH}/nn/modules/linear.py")
     assert classify(model_bug, "training") == (common.EXIT_ERROR, "error", None)
     assert classify(ValueError("a bug"), "training") == (common.EXIT_ERROR, "error", None)
@@ -338,7 +366,7 @@ def test_pp_tiny_trains_and_matches_the_unsplit_model(spawner, tmp_path, tiny_da
     model = build_model("tiny", 1)
     x, y = get_batch(tiny_data.train, 4, 32, seed=1, step=0, rank=0)
     with torch.no_grad():
-        expected = float(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()))
+        expected = float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
     assert all(abs(r["loss"] - expected) < 1e-5 for r in rows if r["step"] == 0), (expected, rows[0]["loss"])
     assert all(r["received_elements"] > 0 for r in rows)  # activations (rank 1) and gradients (rank 0) counted
 

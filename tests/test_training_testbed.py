@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+from scipy.stats import binom
 
 from conftest import TOPOLOGIES, running, unique_name
 from testbed.experiments.training import train
@@ -89,6 +90,26 @@ def test_ddp_payload_scope_breaks_gloo_and_is_reported(request, tmp_path, topolo
     assert s["reason"]
     assert s["wall_time_s"] < 200  # within the timeouts, never an endless wait
     assert s["bits_flipped"] > 0
+
+
+def test_bf16_wire_halves_the_bits_and_the_flips_per_step(pair, tmp_path):
+    """DDP on pair at BER 1e-5: with bf16 on the wire the engines see half the tensor bits per step, and the flips
+    follow: each run's flip count lies in the 99.9 % binomial interval of its own eligible bits (about 1,500 and
+    750 flips expected), and the two intervals do not overlap, so the flips per step scale with the bytes."""
+    ber, steps, runs = 1e-5, 10, {}
+    for dtype in ("fp32", "bf16"):
+        s = run(pair, tmp_path / dtype, "ddp", 1, ber, steps=steps, wire_dtype=dtype, guard="sanitize")
+        assert s["status"] == "ok", s
+        runs[dtype] = s
+    f32, b16 = runs["fp32"], runs["bf16"]
+    assert b16["wire_bytes_per_step"] * 2 == f32["wire_bytes_per_step"]
+    # eligible bits: the gradient values the allreduce moved, in both directions (gloo's framing is not eligible)
+    assert b16["bits_seen"] / f32["bits_seen"] == pytest.approx(0.5, rel=0.01)
+    lo_hi = {}
+    for dtype, s in runs.items():
+        lo_hi[dtype] = binom.interval(0.999, s["bits_seen"], ber)
+        assert lo_hi[dtype][0] <= s["bits_flipped"] <= lo_hi[dtype][1], (dtype, s["bits_flipped"], lo_hi[dtype])
+    assert lo_hi["bf16"][1] < lo_hi["fp32"][0]
 
 
 def test_pp_tensor_scope_completes_at_ber_1e5_on_chains_of_2_and_4(pair, tmp_path):

@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 
 from .. import nsutil, procs
-from .base import Host, Runtime, RuntimeUnavailable, register_runtime
+from .base import RESOLV_CONF, Host, Runtime, RuntimeUnavailable, register_runtime
 
 LABEL_TOPOLOGY = "testbed.topology"
 LABEL_NODE = "testbed.node"
@@ -285,11 +285,13 @@ class DockerRuntime(Runtime):
     def set_hosts_file(self, host: Host, text: str) -> None:
         """Docker bind-mounts a per-container hosts file (HostsPath) over /etc/hosts: rewrite it in place (a
         rename would leave the container on the old inode). With network_mode none Docker never rewrites it."""
-        path = self.client.api.inspect_container(_cid(host)).get("HostsPath")
-        if not path:
-            raise RuntimeError(f"container of {host.node} has no hosts file")
-        with open(path, "w") as f:
-            f.write(text)
+        info = self.client.api.inspect_container(_cid(host))
+        for key, content in (("HostsPath", text), ("ResolvConfPath", RESOLV_CONF)):
+            path = info.get(key)
+            if not path:
+                raise RuntimeError(f"container of {host.node} has no {key}")
+            with open(path, "w") as f:
+                f.write(content)
 
     def _env_flags(self, env: dict | None) -> list[str]:
         flags = []

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .. import nsutil
-from .base import Host, Runtime, RuntimeUnavailable, register_runtime
+from .base import RESOLV_CONF, Host, Runtime, RuntimeUnavailable, register_runtime
 
 ETC_NETNS = Path("/etc/netns")
 
@@ -53,10 +53,11 @@ class NetnsRuntime(Runtime):
         return cmd + list(argv)
 
     def set_hosts_file(self, host: Host, text: str) -> None:
-        # `ip netns exec` bind-mounts /etc/netns/NAME/hosts over /etc/hosts for commands run in the host.
+        # `ip netns exec` bind-mounts /etc/netns/NAME/{hosts,resolv.conf} over /etc/ for commands run in the host.
         d = ETC_NETNS / os.path.basename(host.netns)
         d.mkdir(parents=True, exist_ok=True)
         (d / "hosts").write_text(text)
+        (d / "resolv.conf").write_text(RESOLV_CONF)
 
     def list(self, topology: str | None = None) -> list[str]:
         return nsutil.list_testbed_netns(topology)

@@ -1,8 +1,8 @@
-"""GPT-2 presets, and the model built from one (transformers, from a config, never downloaded).
+"""GPT-2 presets, and the model built from one (testbed/train/gpt.py, initialised here, never downloaded).
 
 The preset table is the one list of model sizes: the worker, the CLIs, experiment files and the theory
-(testbed/experiments/theory.py) read it. Importing this module does not import torch or transformers (that
-takes seconds, and the theory and validation need only the table); build_model imports them when called.
+(testbed/experiments/theory.py) read it. Importing this module does not import torch (that takes seconds, and
+the theory and validation need only the table); build_model imports it when called.
 The pipeline stage split lives in stages.py.
 """
 
@@ -31,35 +31,15 @@ def preset(name):
     return PRESETS[name]
 
 
-def make_config(name):
-    from transformers import GPT2Config
-
-    p = preset(name)
-    return GPT2Config(
-        n_layer=p.n_layer,
-        n_head=p.n_head,
-        n_embd=p.n_embd,
-        n_positions=p.n_positions,
-        vocab_size=p.vocab_size,
-        # no dropout: a run is a deterministic function of (seed, data, wire); any difference is the wire's
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-
-
 def build_model(name, seed):
-    """The whole GPT2LMHeadModel, initialised from torch's RNG seeded with `seed` (same seed -> same bits)."""
+    """The whole GPT-2 (testbed/train/gpt.py), initialised from torch's RNG seeded with `seed` (same seed -> same
+    bits)."""
     import torch
-    from transformers import GPT2LMHeadModel
 
-    config = make_config(name)
+    from testbed.train.gpt import GPT
+
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
+    model = GPT(preset(name))
     model.train()
     return model
 
@@ -70,5 +50,5 @@ def count_params(module):
 
 
 def logits_of(model, idx):
-    """Logits (B, T, vocab) of a GPT2LMHeadModel (or a DDP wrapping one) for token ids idx (B, T)."""
-    return model(input_ids=idx).logits
+    """Logits (B, T, vocab) of a GPT (or a DDP wrapping one) for token ids idx (B, T)."""
+    return model(idx)

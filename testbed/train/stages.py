@@ -1,16 +1,15 @@
-"""GPT-2 split into pipeline stages: contiguous slices of transformers' GPT2LMHeadModel."""
+"""GPT-2 split into pipeline stages: contiguous slices of testbed/train/gpt.py's GPT."""
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
 
 
 class Stage(nn.Module):
     """A contiguous slice of GPT-2: [embeddings] + blocks + [ln_f + lm_head].
 
     Stage 0 takes token ids (B, T) and has the embeddings; the last stage returns logits (B, T, vocab);
-    the others map hidden states (B, T, C) to hidden states. The blocks are transformers' own GPT2Block
-    modules, called the way GPT2Model.forward calls them (hidden states, causal mask, position ids).
+    the others map hidden states (B, T, C) to hidden states. The blocks are the model's own Block modules,
+    called as GPT.forward calls them.
     """
 
     def __init__(self, config, blocks, embeddings=None, head=None):
@@ -21,15 +20,12 @@ class Stage(nn.Module):
         self.ln_f, self.lm_head = head if head is not None else (None, None)
 
     def forward(self, x):
-        T = x.shape[1]
-        position_ids = torch.arange(T, device=x.device).unsqueeze(0)
-        h = self.wte(x) + self.wpe(position_ids) if self.wte is not None else x
-        # the same helper GPT2Model uses; with sdpa and no padding it returns None and attention is_causal
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        if self.wte is not None:
+            h = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        else:
+            h = x
         for block in self.h:
-            h = block(h, attention_mask=mask, position_ids=position_ids)
+            h = block(h)
         if self.lm_head is not None:
             h = self.lm_head(self.ln_f(h))
         return h
@@ -49,7 +45,7 @@ def layer_split(n_layer, n_stages):
 
 
 def split_stages(model, n_stages):
-    """Split a GPT2LMHeadModel into n_stages Stage modules (sharing its parameter tensors).
+    """Split a GPT into n_stages Stage modules (sharing its parameter tensors).
 
     Tied embeddings across stages: in PP the first and last stage live on different hosts, so they cannot
     share one tensor. The last stage gets its own lm_head (bias-free Linear) initialised as a copy of wte.

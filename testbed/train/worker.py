@@ -93,7 +93,7 @@ def wire_layer(exc):
     """The layer of WIRE_LAYERS that raised `exc`, or an exception it chains; None if none did.
 
     The traceback is read from where the exception was raised outwards, through torch's own frames, up to the
-    first frame of a layer. A frame outside torch (the model, transformers, this package) ends the search: an
+    first frame of a layer. A frame outside torch (the model, this package) ends the search: an
     exception raised by the model inside DDP's forward is not DDP's. C++ assertions name their source file in
     the message (torch/csrc/distributed/c10d/reducer.cpp): that counts as the innermost frame."""
     seen = set()
