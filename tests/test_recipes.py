@@ -132,6 +132,9 @@ def test_summary_says_when_an_ok_run_made_no_progress():
     assert summary_line({**base, "made_progress": True, "sanitized_values": 3}).startswith("ok: 40/40 steps")
     assert "sanitized 3" in summary_line({**base, "made_progress": True, "sanitized_values": 3})
     assert summary_line({**base, "status": "diverged", "made_progress": False}).startswith("diverged: ")
+    # unknown progress (no eval, a NaN training loss at step 0) is not a plain ok either
+    unknown = {**base, "made_progress": None, "initial_eval_loss": None, "progress_basis": "train"}
+    assert summary_line(unknown).startswith("ok (progress unknown: no finite loss to compare): "), summary_line(unknown)
 
 
 def test_outcome_fields_from_rows():
@@ -150,6 +153,10 @@ def test_outcome_fields_from_rows():
     assert ddp["frozen_values"] == 3  # DDP: the worst replica
     flat = summarize_rows([{**r, "eval_loss": 6.19 if r["step"] == 3 else None} for r in rows], 2)
     assert flat["made_progress"] is False  # less than 1% below
+    # PP at a high BER without evals: NaN training losses (corrupted activations), every update skipped
+    nan = [{**r, "loss": float("nan"), "skipped": True, "initial_eval_loss": None, "eval_loss": None} for r in rows]
+    assert summarize_rows(nan, 2)["made_progress"] is False
+    assert summarize_rows([{**r, "skipped": r["step"] != 2} for r in nan], 2)["made_progress"] is None
 
 
 # ---- real runs ----------------------------------------------------------------------------------------

@@ -175,8 +175,10 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
 def outcome_word(s: dict) -> str:
     """The status, qualified when it says less than the run did: an `ok` run that made no progress (see
     made_progress in docs/training.md) is never a plain `ok`."""
-    if s["status"] != "ok" or s.get("made_progress") is not False:
+    if s["status"] != "ok" or s.get("made_progress") is True:
         return s["status"]
+    if s.get("made_progress") is None:  # e.g. no eval and a non-finite training loss at step 0
+        return "ok (progress unknown: no finite loss to compare)"
     skipped, done = s.get("skipped_steps") or 0, s.get("steps_completed", 0)
     if skipped:
         return f"ok (no progress: {skipped}/{done} updates skipped)"

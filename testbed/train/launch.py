@@ -250,6 +250,8 @@ def summarize_rows(rows, world_size):
     else:
         out["progress_basis"], first, last = "train", out["initial_loss"], out["final_loss"]
     out["made_progress"] = made_progress(first, last)
+    if done and out["skipped_steps"] == done:
+        out["made_progress"] = False  # not one update was applied, whatever the (corrupted) losses say
     # bytes a rank hands to the data link per step (mean over ranks: PP stages differ), median over steps
     wire = [statistics.mean(r["wire_bytes"] for r in by_step[s].values()) for s in range(done)
             if all(r.get("wire_bytes") is not None for r in by_step[s].values())]
