@@ -8,7 +8,9 @@ PY := $(VENV)/bin/python
 # otherwise fetch the multi-GB CUDA build of torch.
 TORCH_INDEX ?=
 PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
-APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod
+# openssh-server: the multi-machine tests run real sshd in namespaces (its service is never started: see below);
+# vagrant: the suite runs `vagrant validate` on the Vagrantfile (no provider needed)
+APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod openssh-server vagrant
 PYTEST_ARGS ?=
 
 .PHONY: deps system-deps python-deps docker-engine image demo test test-all bench clean-testbed help
@@ -27,7 +29,10 @@ system-deps:
 	  || missing="$$missing python3 python3-venv python3-pip"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
+	  noservice=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+	    chmod +x /usr/sbin/policy-rc.d; noservice=1; }; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  rc=$$?; [ -z "$$noservice" ] || rm -f /usr/sbin/policy-rc.d; [ $$rc -eq 0 ] || exit $$rc; \
 	fi; \
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 	  echo "testbed needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). Use e.g. make PYTHON=python3.11" >&2; exit 1; }

@@ -31,6 +31,7 @@ def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None 
     final: dict = {"name": name, "engines": []}
     runtime_name = st.data.get("runtime", "netns") if st is not None else None
     if st is not None:
+        _stop_unfinished_up(st.data)
         final["engines"] = stop_engines(st.data.get("engines", {}))
         if save_stats and final["engines"]:
             out_dir = Path(results_dir or st.data.get("results_dir") or HISTORY_ROOT / name)
@@ -53,6 +54,27 @@ def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None 
                 final.setdefault("errors", []).append(f"{rt.name}: {e}")
     sweep_topology(name, keep_state=bool(final.get("errors")))
     return final
+
+
+def _stop_unfinished_up(data: dict) -> None:
+    """An `up` (or a machine's `part-up`) of this topology that is still building, e.g. after its controller
+    was killed: stop it first, or it would go on creating what this removes."""
+    pid = data.get("up_pid")
+    if data.get("phase") == "up" or not pid or pid == os.getpid():
+        return
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return  # gone
+    if not any(b"testbed" in a for a in argv):
+        return  # the pid was reused by something else
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.05)
 
 
 def stop_engines(engines: dict) -> list[dict]:

@@ -64,9 +64,28 @@ def _attach(name: str | None):
 # -- commands --------------------------------------------------------------------------------------------------
 
 
+def _inventory(path):
+    from .inventory import load_inventory
+
+    return load_inventory(path)  # InputError (exit 2) names the file, line and field
+
+
 def cmd_up(args) -> int:
     from .net import Testbed
 
+    if args.machines:
+        from . import cluster
+        from .topo import Topology
+
+        if args.capture:
+            raise CliError("--capture is not available across machines yet", EXIT_INPUT)
+        topo = Topology.load(args.file, name=args.name)
+        inventory = _inventory(args.machines)
+        cluster.up(topo, inventory, runtime=args.runtime, vxlan_port=args.vxlan_port)
+        print(cluster.describe(topo.name))
+        print(f"\nup across machines. Run commands with `testbed exec --topo {topo.name} HOST -- CMD`; remove with "
+              f"`testbed down {topo.name}`.")
+        return 0
     capture = {"dir": os.path.abspath(args.capture), "max_bytes": int(args.capture_limit * 1e6)} if args.capture else None
     tb = Testbed.open(args.file, name=args.name, runtime=args.runtime, capture=capture, results_dir=args.out)
     tb.up()
@@ -79,19 +98,31 @@ def cmd_down(args) -> int:
     from .clean import clean_all, leftovers, teardown
     from .state import running_names
 
+    from . import cluster
+
     if args.all:
+        errors = cluster.down_all(_inventory(args.machines) if args.machines else None)
         done = clean_all()
         for n in done["topologies"]:
             print(f"down: {n}")
         for s in done["swept"]:
             print(f"removed leftover: {s}")
-        if not done["topologies"] and not done["swept"]:
+        if not done["topologies"] and not done["swept"] and not errors:
             print("nothing of the testbed was running")
-        return 0
+        for e in errors:
+            print(f"  could not clean: {e}", file=sys.stderr)
+        return EXIT_FAIL if errors else 0
     if not args.names:
         raise CliError("name a topology (testbed down NAME) or use --all", EXIT_INPUT)
     rc = 0
     for name in args.names:
+        if cluster.cluster_of(name) is not None:
+            errors = cluster.down(name)
+            for e in errors:
+                print(f"  could not remove: {e} (state kept: run `testbed down {name}` again)", file=sys.stderr)
+            print(f"down: {name}" + (" (incomplete)" if errors else ""))
+            rc = rc or (EXIT_FAIL if errors else 0)
+            continue
         if name not in running_names():
             if not any(leftovers(name).values()):
                 print(f"no topology named {name!r} is up", file=sys.stderr)
@@ -106,7 +137,11 @@ def cmd_down(args) -> int:
 
 
 def topology_status(name: str) -> dict:
+    from . import cluster
     from .net import Testbed
+
+    if cluster.cluster_of(name) is not None:
+        return cluster.status(name)
 
     try:
         tb = Testbed.attach(name)
@@ -149,6 +184,16 @@ def cmd_exec(args) -> int:
         argv = argv[1:]
     if not argv:
         raise CliError("give a command after the host: testbed exec HOST -- CMD ...", EXIT_INPUT)
+    from . import cluster
+
+    if args.topo and cluster.cluster_of(args.topo) is not None:
+        try:
+            r = cluster.exec_in(args.topo, args.host, argv)
+        except KeyError as e:
+            raise CliError(str(e.args[0]), EXIT_INPUT) from None
+        sys.stdout.write(r.stdout)
+        sys.stderr.write(r.stderr)
+        return r.returncode
     tb = _attach(args.topo)
     try:
         host = tb.host(args.host)
@@ -174,8 +219,17 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    tb = _attach(args.topo)
-    stats = tb.stats()
+    from . import cluster
+
+    if args.topo and cluster.cluster_of(args.topo) is not None:
+        stats = cluster.stats(args.topo)
+
+        class _Named:
+            name = args.topo
+        tb = _Named()
+    else:
+        tb = _attach(args.topo)
+        stats = tb.stats()
     rc = 0 if all(s.get("alive", True) for s in stats) else EXIT_FAIL
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -197,6 +251,22 @@ def cmd_stats(args) -> int:
 def cmd_link_set(args) -> int:
     from .units import parse_probability
 
+    from . import cluster
+
+    if args.topo and cluster.cluster_of(args.topo) is not None:
+        forward = []
+        for flag in ("direction", "ber", "scope", "checksum", "seed", "error_model", "burst_length", "element",
+                     "protect", "protected_ber"):
+            v = getattr(args, flag)
+            if v is not None:
+                forward += [f"--{flag.replace('_', '-')}", str(v)]
+        if args.error_model:
+            forward += ["--bad-ber", str(args.bad_ber)]
+        try:
+            print(cluster.link_set(args.topo, args.link, forward))
+        except KeyError as e:
+            raise CliError(str(e.args[0]), EXIT_INPUT) from None
+        return 0
     tb = _attach(args.topo)
     settings = {}
     if args.ber is not None:
@@ -225,6 +295,51 @@ def cmd_link_set(args) -> int:
         raise CliError(str(e.args[0]), EXIT_INPUT) from None
     for c in changed:
         print(f"{c}: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    return 0
+
+
+def cmd_part_up(args) -> int:
+    """One machine's part of a cross-machine topology (run by the controller over SSH; see testbed/cluster.py)."""
+    from .net import Testbed
+    from .topo import Topology
+
+    spec = json.loads(open(args.spec).read())
+    topo = Topology.from_dict(spec["topology"], file=spec.get("file"))
+    part = {k: spec[k] for k in ("machine", "nodes", "tunnels", "mgmt", "placement")}
+    Testbed(topo, runtime=spec.get("runtime"), part=part).up()
+    print(f"up: {topo.name} part {spec['machine']} ({', '.join(spec['nodes'])})")
+    return 0
+
+
+def cmd_machine_info(args) -> int:
+    """How tunnels reach this machine: the underlay interface, its address and MTU (for the controller)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ip:
+        idx = None
+        if args.iface:
+            found = ip.link_lookup(ifname=args.iface)
+            if not found:
+                raise CliError(f"no interface {args.iface!r} on this machine (underlay_iface in the inventory)")
+            idx = found[0]
+        elif args.peer:
+            routes = ip.route("get", dst=args.peer[0])
+            idx = routes[0].get_attr("RTA_OIF") if routes else None
+        if idx is None:
+            raise CliError("give --iface or --peer: the underlay cannot be guessed", EXIT_INPUT)
+        link = ip.link("get", index=idx)[0]
+        addrs = [a.get_attr("IFA_ADDRESS") for a in ip.get_addr(index=idx, family=2)]
+    info = {"iface": link.get_attr("IFLA_IFNAME"), "mtu": link.get_attr("IFLA_MTU"),
+            "address": addrs[0] if addrs else None, "version": __version__}
+    print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
+    return 0
+
+
+def cmd_machines_from_ssh_config(args) -> int:
+    from .inventory import inventory_from_ssh_config
+
+    text = sys.stdin.read() if args.file == "-" else open(args.file).read()
+    print(inventory_from_ssh_config(text), end="")
     return 0
 
 
@@ -262,12 +377,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size bound per pcap file in MB (default 10)")
     s.add_argument("--out", metavar="DIR", help="where `down` saves final engine counters "
                    "(default /var/lib/testbed/history/NAME)")
+    s.add_argument("--machines", metavar="FILE", help="inventory of machines (YAML, or `vagrant ssh-config` "
+                   "output): place the hosts on them over SSH (docs/machines.md)")
+    s.add_argument("--vxlan-port", type=int, default=4789, metavar="PORT",
+                   help="UDP port of the VXLAN tunnels between machines (default 4789)")
     s.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("down", help="tear a topology down", description="Remove everything a topology made. "
                        "--all removes every testbed topology and sweeps leftovers (e.g. after `up` was killed).")
     s.add_argument("names", nargs="*", metavar="NAME")
     s.add_argument("--all", action="store_true", help="every topology, and any leftover of the testbed")
+    s.add_argument("--machines", metavar="FILE", help="with --all: also run `testbed down --all` on every "
+                   "machine of this inventory (topologies placed from here are reached without it)")
     s.set_defaults(fn=cmd_down)
 
     s = sub.add_parser("status", help="what is up", description="List running topologies, their hosts and "
@@ -318,6 +439,26 @@ def build_parser() -> argparse.ArgumentParser:
                     "sign/exponent/mantissa or bit positions (0 = LSB); '' protects nothing")
     ls.add_argument("--protected-ber", metavar="P", help="residual BER of protected bits (<= --ber; default 0)")
     ls.set_defaults(fn=cmd_link_set)
+
+    s = sub.add_parser("machines", help="inventories of machines", description="Inventories of machines for "
+                       "--machines (docs/machines.md).")
+    msub = s.add_subparsers(dest="machines_command", metavar="ACTION")
+    ms = msub.add_parser("from-ssh-config", help="turn `vagrant ssh-config` output into an inventory",
+                         description="Print the inventory (YAML) of the Host entries of an OpenSSH client config, "
+                                     "e.g. `vagrant ssh-config > machines.ssh; testbed machines from-ssh-config "
+                                     "machines.ssh > machines.yaml`.")
+    ms.add_argument("file", metavar="FILE", help="OpenSSH client config ('-': standard input)")
+    ms.set_defaults(fn=cmd_machines_from_ssh_config)
+
+    # used by the controller over SSH (testbed/cluster.py); not for people
+    s = sub.add_parser("part-up")
+    s.add_argument("spec")
+    s.set_defaults(fn=cmd_part_up)
+    s = sub.add_parser("machine-info")
+    s.add_argument("--iface")
+    s.add_argument("--peer", action="append")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_machine_info)
 
     for register in _extensions():
         register(sub)

@@ -88,6 +88,7 @@ class Node:
     cpus: float | None = None
     memory: int | None = None
     env: dict = field(default_factory=dict)
+    machine: str | None = None  # placement asked for in the file (`--machines`); None: automatic
 
 
 @dataclass(frozen=True)

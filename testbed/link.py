@@ -66,6 +66,30 @@ def add_veth(ns_a: str, if_a: str, ns_b: str, if_b: str, mtu: int) -> None:
         b.link("set", index=idx, mtu=mtu, state="up")
 
 
+def add_vxlan(ns: str, ifname: str, vni: int, remotes: list[str], port: int, mtu: int) -> None:
+    """A VXLAN tunnel end named `ifname`, created directly inside namespace `ns` while its UDP socket stays in
+    this process's namespace (the machine's own network, where the underlay is): the device never appears
+    among the machine's interfaces. One remote: a point-to-point tunnel; several (the management segment):
+    head-end replication to each (all-zero fdb entries), MACs learnt as on a switch."""
+    import pyroute2
+
+    with pyroute2.IPRoute() as ip:
+        kw = {"vxlan_group": remotes[0]} if len(remotes) == 1 else {}
+        try:
+            ip.link("add", ifname=ifname, kind="vxlan", vxlan_id=vni, vxlan_port=port, net_ns_fd=ns, **kw)
+        except NetlinkError as e:
+            if e.code == 17:  # EEXIST: another tunnel of this machine has the same VNI on the same port
+                raise RuntimeError(f"VXLAN VNI {vni} on UDP port {port} is already in use on this machine (another "
+                                   "topology between the same machines?): choose another --name or --vxlan-port") from None
+            raise
+    with _netns(ns) as n:
+        idx = n.link_lookup(ifname=ifname)[0]
+        if len(remotes) > 1:
+            for r in remotes:
+                n.fdb("append", ifindex=idx, lladdr="00:00:00:00:00:00", dst=r)
+        n.link("set", index=idx, mtu=mtu, state="up")
+
+
 def add_address(ns: str, iface: str, address: str) -> None:
     with _netns(ns) as n:
         idx = n.link_lookup(ifname=iface)[0]

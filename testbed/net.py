@@ -24,9 +24,11 @@ from . import link, nsutil
 from .clean import teardown  # noqa: F401 (re-exported: `from testbed.net import teardown`)
 from .runtime.base import Host, Runtime, get_runtime
 from .state import State, claim, state_dir
+from .placement import VXLAN_OVERHEAD, engine_node
 from .topo import Link, LinkImpairment, Topology
 
 MGMT_IFNAME = "mgmt0"
+MGMT_TUNNEL = "vxmgmt"  # in the management namespace of each machine, when the topology spans machines
 # Counters that `counter_delta` subtracts by default (what a training summary reports per link direction).
 COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced")
 # Tensor-scope engines also count flips by field of the value and the unprotected bits they saw.
@@ -40,8 +42,11 @@ RESTORED_SETTINGS = ("ber", "error_model", "scope", "checksum", "seed", "collect
 
 class Testbed:
     def __init__(self, topology: Topology, runtime: str | None = None, capture: dict | None = None,
-                 results_dir: str | Path | None = None):
+                 results_dir: str | Path | None = None, part: dict | None = None):
         self.topo = topology
+        # On one machine of several (testbed/cluster.py): the nodes this machine builds and the VXLAN tunnel of
+        # each link that leaves them (testbed/placement.py, `parts`). None: every node, here.
+        self.part = part
         self.runtime_name = runtime or topology.runtime
         self.capture = capture
         self.results_dir = Path(results_dir) if results_dir else None
@@ -60,6 +65,10 @@ class Testbed:
     @property
     def name(self) -> str:
         return self.topo.name
+
+    def is_local(self, node: str) -> bool:
+        """Whether `node` is built on this machine (always, without a part)."""
+        return self.part is None or node in self.part["nodes"]
 
     @property
     def is_up(self) -> bool:
@@ -98,7 +107,7 @@ class Testbed:
         claim(self.name)
         self.state = State.new(self.name, file=self.topo.file, runtime=self.runtime_name, topology=self.topo.raw,
                                up_pid=os.getpid(), capture=self.capture,
-                               results_dir=str(self.results_dir) if self.results_dir else None)
+                               results_dir=str(self.results_dir) if self.results_dir else None, part=self.part)
         try:
             with link.batched():
                 self._build()
@@ -114,16 +123,24 @@ class Testbed:
         return nsutil.create_netns(name)
 
     def _build(self) -> None:
-        topo, st = self.topo, self.state
+        topo, st, local, part = self.topo, self.state, self.is_local, self.part
         sdir = state_dir(self.name)
         mgmt_ns = self._record_ns(nsutil.mgmt_ns_name(self.name))
         link.add_bridge(mgmt_ns)
+        if part and part["mgmt"]["remotes"]:  # the management segment spans the machines
+            m = part["mgmt"]
+            link.add_vxlan(mgmt_ns, MGMT_TUNNEL, m["vni"], m["remotes"], m["port"], 1500 - VXLAN_OVERHEAD)
+            link.enslave(mgmt_ns, MGMT_TUNNEL)
 
         netns_of: dict[str, str] = {}
         for sw in topo.switches:
+            if not local(sw):
+                continue
             netns_of[sw] = self._record_ns(nsutil.ns_name(self.name, sw))
             link.add_bridge(netns_of[sw])
         for h in topo.hosts:
+            if not local(h):
+                continue
             st.data["hosts"][h] = {"node": h, "pending": True}
             st.save()
             host = self.runtime.create(self.name, topo.nodes[h], sdir)
@@ -132,35 +149,52 @@ class Testbed:
             netns_of[h] = host.netns
 
         for i, h in enumerate(topo.hosts):
+            if not local(h):
+                continue
             port = f"p{i}"
-            link.add_veth(netns_of[h], MGMT_IFNAME, mgmt_ns, port, 1500)
+            # over a tunnelled management segment, frames must fit the tunnel
+            link.add_veth(netns_of[h], MGMT_IFNAME, mgmt_ns, port, 1500 - VXLAN_OVERHEAD if part else 1500)
             link.enslave(mgmt_ns, port)
             link.add_address(netns_of[h], MGMT_IFNAME, str(topo.plan.mgmt[h]))
 
         for l in topo.links:
-            link.add_veth(netns_of[l.a.node], l.a.iface, netns_of[l.b.node], l.b.iface, l.mtu)
-            for ep in (l.a, l.b):
+            ends = [ep for ep in (l.a, l.b) if local(ep.node)]
+            if len(ends) == 2:
+                link.add_veth(netns_of[l.a.node], l.a.iface, netns_of[l.b.node], l.b.iface, l.mtu)
+            elif len(ends) == 1:  # the other end is on another machine: a tunnel end, the same name and role
+                t = part["tunnels"][l.name]
+                link.add_vxlan(netns_of[ends[0].node], ends[0].iface, t["vni"], [t["remote"]], t["port"], t["mtu"])
+            for ep in ends:
                 if topo.nodes[ep.node].kind == "switch":
                     link.enslave(netns_of[ep.node], ep.iface)
                 link.set_offloads(netns_of[ep.node], ep.iface, l.offloads)
         for h in topo.hosts:
-            for hi in topo.plan.interfaces[h]:
-                link.add_address(netns_of[h], hi.iface, str(hi.address))
+            if local(h):
+                for hi in topo.plan.interfaces[h]:
+                    link.add_address(netns_of[h], hi.iface, str(hi.address))
         for h in topo.hosts:
-            for r in topo.plan.routes[h]:
-                link.add_route(netns_of[h], str(r.dst), str(r.via), r.dev)
+            if local(h):
+                for r in topo.plan.routes[h]:
+                    link.add_route(netns_of[h], str(r.dst), str(r.via), r.dev)
         hosts_text = hosts_file(topo)
         for h in topo.hosts:
-            self.runtime.set_hosts_file(self.host(h), hosts_text)
+            if local(h):
+                self.runtime.set_hosts_file(self.host(h), hosts_text)
         for l in topo.links:
             for dname, snd, _rcv, imp in l.directions():
-                link.apply_impairment(netns_of[snd.node], snd.iface, imp, l.mtu)
+                if local(snd.node):
+                    link.apply_impairment(netns_of[snd.node], snd.iface, imp, self.mtu_of(l))
         st.data["netns_of"] = netns_of
         st.save()
         for l in topo.links:
             for dname, _, _, imp in l.directions():
-                if imp.corrupts:
+                if imp.corrupts and local(engine_node(topo, l, dname)):
                     self._start_engine(l, dname, imp)
+
+    def mtu_of(self, l: Link) -> int:
+        """The link's MTU on the wire: its own, or the tunnel's when it crosses machines."""
+        t = (self.part or {}).get("tunnels", {}).get(l.name)
+        return t["mtu"] if t else l.mtu
 
     # -- engines -------------------------------------------------------------------------------------------
 
@@ -334,6 +368,7 @@ class Testbed:
         if direction is not None:
             direction = normalize_direction(l, direction)
             names = [direction]
+        names = [d for d in names if self.is_local(engine_node(self.topo, l, d))]  # the other machine's are its own
         changed = []
         handles = self.engine_handles()
         for key, h in handles.items():
@@ -409,7 +444,7 @@ class Testbed:
                               f"left with `testbed down {name}`")
         topo = Topology.from_dict(st.data["topology"], file=st.data.get("file"))
         tb = cls(topo, runtime=st.data.get("runtime"), capture=st.data.get("capture"),
-                 results_dir=st.data.get("results_dir"))
+                 results_dir=st.data.get("results_dir"), part=st.data.get("part"))
         tb.state = st
         return tb
 

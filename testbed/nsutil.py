@@ -15,7 +15,12 @@ from pyroute2 import netns as pr_netns
 from . import procs
 
 NETNS_DIR = Path("/run/netns")
-PREFIX = "tb."
+# The prefix of every namespace (and container) this testbed makes; `down --all` sweeps exactly these. Several
+# "machines" sharing one kernel (the multi-machine tests: one sshd per namespace) each get their own prefix and
+# state directory (TESTBED_STATE_DIR), so that one machine's `down --all` never touches another's.
+PREFIX = os.environ.get("TESTBED_PREFIX", "tb.")
+if not PREFIX or "/" in PREFIX or not PREFIX.endswith("."):
+    raise SystemExit(f"TESTBED_PREFIX={PREFIX!r}: give a name ending in '.', without '/', e.g. 'tb.'")
 # Every host namespace (and container) gets these, and only they: forwarding for multi-hop routes, and no
 # IPv6 (router solicitations, MLD, DAD would otherwise chatter on the data links).
 HOST_SYSCTLS = {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.disable_ipv6": "1",

@@ -114,6 +114,9 @@ class NodeModel(_Strict):
     addresses: dict[str, ipaddress.IPv4Interface] | None = None
     subnet: ipaddress.IPv4Network | None = None
     env: dict[str, str] | None = None
+    # where the node runs when the topology is brought up with an inventory (`--machines FILE`): a machine's
+    # name there; unplaced nodes are spread automatically (testbed/placement.py). Ignored without one.
+    machine: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 
 
 class TopologyBody(_Strict):

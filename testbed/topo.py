@@ -165,7 +165,8 @@ def _resolve(spec: TopologyFile, raw: dict, file: str | None, problems: list) ->
             problems.append((p, "a switch is a Linux bridge: image, cpus, memory, addresses and env apply to hosts only"))
         if n.kind == "host" and n.subnet is not None:
             problems.append((f"{p}.subnet", "only a switch has a subnet (set a host-to-host link's subnet on the link)"))
-        nodes[name] = Node(name=name, kind=n.kind, image=n.image, cpus=n.cpus, memory=n.memory, env=dict(n.env or {}))
+        nodes[name] = Node(name=name, kind=n.kind, image=n.image, cpus=n.cpus, memory=n.memory, env=dict(n.env or {}),
+                           machine=n.machine)
     if not any(n.kind == "host" for n in nodes.values()) and not problems:
         problems.append(("topology.nodes", "needs at least one node of kind host"))
 

@@ -32,8 +32,17 @@ def cmd_train(args) -> int:
     else:
         target = args.topology  # the name of a topology that is up
     protect = [p.strip() for p in args.protect.split(",") if p.strip()] if args.protect is not None else None
+    machines = None
+    if args.machines:
+        from ..inventory import load_inventory
+
+        if not isinstance(target, Topology):
+            print("testbed train: --machines needs a topology file (a topology that is up is already placed)",
+                  file=sys.stderr)
+            return 2
+        machines = load_inventory(args.machines)
     s = train(target, cfg, args.out, ber=args.ber, scope=args.scope, checksum=args.checksum, runtime=args.runtime,
-              protect=protect, element=args.element, protected_ber=args.protected_ber,
+              protect=protect, element=args.element, protected_ber=args.protected_ber, machines=machines,
               log=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(s, indent=2, default=str))
@@ -109,6 +118,8 @@ def register(sub) -> None:
                    "at most --ber)")
     s.add_argument("--runtime", choices=["netns", "docker"])
     s.add_argument("--name", help="topology name to bring the file up under")
+    s.add_argument("--machines", metavar="FILE", help="inventory of machines: bring the topology up across them "
+                   "for the run (docs/machines.md)")
     s.add_argument("--json", action="store_true", help="print the whole summary as JSON")
     settings.add_arguments(s.add_argument_group("training settings (testbed/train/settings.py)"))
     s.set_defaults(fn=cmd_train)

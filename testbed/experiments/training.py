@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..cluster import ClusterTestbed, cluster_of
 from ..net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME, Testbed
 from ..state import write_json_atomic
 from ..topo import Topology
@@ -54,26 +55,19 @@ def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dic
     if cfg.mode == "pp":
         _check_chain(topo, hosts, log)
     prepare_data(cfg, log=lambda m: log(f"data: {m}"))
+    if isinstance(tb, ClusterTestbed):
+        return _train_across_machines(tb, cfg, out, hosts, log)
 
     # Workers write where they can: anywhere for namespace hosts, the shared work directory for containers.
     shared = tb.runtime.shared_dir()
     run_dir = out if shared is None else Path(shared) / f"run-{uuid.uuid4().hex[:12]}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    master = tb.mgmt_address(hosts[0])
-    port = str(topo.control_ports[0])
-
-    def env_for_rank(rank: int) -> dict:
-        h = hosts[rank]
-        return {"MASTER_ADDR": master, "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": topo.plan.data_iface(h),
-                "TESTBED_MGMT_IFNAME": MGMT_IFNAME, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-
-    passed = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TESTBED_MGMT_IFNAME", "RANK", "WORLD_SIZE",
-              "PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TESTBED_CACHE", "TESTBED_TORCH_THREADS")
+    env_for_rank = _rank_env(tb, hosts)
 
     def spawn(rank: int, argv: list[str], env: dict):
         argv = [tb.runtime.python, *argv[1:]]  # the host's python (the image's, in a container)
         with open(run_dir / f"worker-rank{rank}.log", "wb") as logf:
-            return tb.popen(hosts[rank], argv, {k: env[k] for k in passed if k in env},
+            return tb.popen(hosts[rank], argv, {k: env[k] for k in PASSED_ENV if k in env},
                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
 
     before = tb.counters()
@@ -82,26 +76,11 @@ def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dic
         f"{', '.join(hosts)}, {cfg.steps} steps")
     summary = run_workers(spawn, len(hosts), cfg.worker_argv(), run_dir, env_for_rank,
                           timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
-    engines = list(tb.counters_since(before, fields=COUNTER_FIELDS + FIELD_COUNTERS).values())
-    seen = sum(e["bits_seen"] for e in engines)
-    flipped = sum(e["bits_flipped"] for e in engines)
-    blame_the_wire(summary, flipped)
-    summary.update({
-        "topology": topo.name, "topology_file": topo.file, "runtime": tb.runtime_name, "hosts": hosts,
-        "ber": sorted({e["ber"] for e in engines if e["ber"] is not None}) or [0.0],
-        "bits_seen": seen, "bits_flipped": flipped, "realized_ber": flipped / seen if seen else None,
-        "engines": engines, "config": dataclasses.asdict(cfg), "started_at": started,
-    })
+    _finish(tb, summary, before, hosts, started, cfg)
     if tb.runtime_name == "docker":
         from ..runtime.image import image_digest
         summary["image"] = tb.host(hosts[0]).extra.get("image")
         summary["image_digest"] = image_digest(summary["image"])
-    dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
-    if dead:
-        # Fail closed: a dead engine dropped its link's traffic; the run cannot claim it saw corruption.
-        summary.setdefault("status_workers", summary["status"])
-        summary["status"] = "invalid"
-        summary["reason"] = f"corruption engine died on {', '.join(dead)}; " + (summary.get("reason") or "")
     if run_dir != out:
         for p in run_dir.iterdir():
             dest = out / p.name
@@ -112,6 +91,63 @@ def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dic
         summary["run_dir"] = str(out)
     write_json_atomic(out / "summary.json", summary)
     return summary
+
+
+# What the workers get of the launcher's environment
+PASSED_ENV = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TESTBED_MGMT_IFNAME", "RANK", "WORLD_SIZE",
+              "PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TESTBED_CACHE", "TESTBED_TORCH_THREADS")
+
+
+def _rank_env(tb, hosts: list[str]):
+    topo, master, port = tb.topo, tb.mgmt_address(hosts[0]), str(tb.topo.control_ports[0])
+
+    def env_for_rank(rank: int) -> dict:
+        h = hosts[rank]
+        return {"MASTER_ADDR": master, "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": topo.plan.data_iface(h),
+                "TESTBED_MGMT_IFNAME": MGMT_IFNAME, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+
+    return env_for_rank
+
+
+def _train_across_machines(tb: ClusterTestbed, cfg: TrainSettings, out: Path, hosts: list[str], log) -> dict:
+    """train_on for a topology that spans machines: workers run on their hosts' machines, their files are
+    mirrored into `out` as they are written, engine counters come from every machine."""
+    from ..train.launch import run_workers
+
+    before = tb.counters()
+    started = time.time()
+    placed = {h: tb.machine_of(h) for h in hosts}
+    log(f"training {cfg.mode} {cfg.model} on {tb.topo.name} across machines: {len(hosts)} ranks on "
+        + ", ".join(f"{h}@{m}" for h, m in placed.items()) + f", {cfg.steps} steps")
+    with tb.workers(out, hosts, PASSED_ENV) as workers:
+        workers.prepare_data(cfg.model, cfg.data)
+        summary = run_workers(workers.spawn, len(hosts), cfg.worker_argv(), out, _rank_env(tb, hosts),
+                              timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
+    _finish(tb, summary, before, hosts, started, cfg)
+    summary["machines"] = placed  # where every host ran
+    write_json_atomic(out / "summary.json", summary)
+    return summary
+
+
+def _finish(tb, summary: dict, before: dict, hosts: list[str], started: float, cfg: TrainSettings) -> None:
+    """The engines' part of a run's summary, the failure taxonomy, and fail-closed on a dead engine."""
+    topo = tb.topo
+    engines = list(tb.counters_since(before, fields=COUNTER_FIELDS + FIELD_COUNTERS).values())
+    seen = sum(e["bits_seen"] for e in engines)
+    flipped = sum(e["bits_flipped"] for e in engines)
+    blame_the_wire(summary, flipped)
+    summary.update({
+        "topology": topo.name, "topology_file": topo.file, "runtime": tb.runtime_name, "hosts": hosts,
+        "ber": sorted({e["ber"] for e in engines if e["ber"] is not None}) or [0.0],
+        "bits_seen": seen, "bits_flipped": flipped, "realized_ber": flipped / seen if seen else None,
+        "engines": engines, "config": dataclasses.asdict(cfg), "started_at": started,
+    })
+    dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
+    if dead:
+        # Fail closed: a dead engine dropped its link's traffic; the run cannot claim it saw corruption.
+        summary.setdefault("status_workers", summary["status"])
+        summary["status"] = "invalid"
+        summary["reason"] = f"corruption engine died on {', '.join(dead)}; " + (summary.get("reason") or "")
 
 
 def blame_the_wire(summary: dict, flipped: int) -> None:
@@ -150,14 +186,20 @@ DEFAULT_COLLECTIVES = {"ddp": ["allreduce"], "pp": ["p2p"]}
 def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber: float | None = None,
           scope: str | None = None, checksum: str | None = None, collectives: list[str] | None = None,
           protect: list[str | int] | None = None, element: str | None = None, protected_ber: float | None = None,
-          runtime: str | None = None, name: str | None = None, log=print) -> dict:
-    """Train on a topology: a Topology (brought up for the run, then down) or the name of one that is up
-    (corruption overrides are applied live with `link set`). `collectives` defaults to cfg.collectives."""
+          runtime: str | None = None, name: str | None = None, machines=None, log=print) -> dict:
+    """Train on a topology: a Topology (brought up for the run, then down; across the machines of the inventory
+    `machines` if given) or the name of one that is up (corruption overrides are applied live with `link
+    set`). `collectives` defaults to cfg.collectives."""
     collectives = collectives if collectives is not None else cfg.collectives
     if scope == "tensor" and collectives is None:
         collectives = DEFAULT_COLLECTIVES[cfg.mode]
     overrides = {"ber": ber, "scope": scope, "checksum": checksum, "collectives": collectives,
                  "protect": protect, "element": element, "protected_ber": protected_ber}
+    if isinstance(topology, str) and cluster_of(topology) is not None:
+        if any(v is not None for v in overrides.values()):
+            raise ValueError(f"{topology} spans machines: set its links with `testbed link set`, or give the "
+                             "topology file with --machines so that the run brings it up with these settings")
+        return train_on(ClusterTestbed(topology), cfg, out, log=log)
     if isinstance(topology, str):
         tb = Testbed.attach(topology)
         settings = {k: v for k, v in overrides.items() if v is not None}
@@ -166,6 +208,17 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
                 tb.set_link(link.name, **settings)
         return train_on(tb, cfg, out, log=log)
     topo = topology.with_overrides(name=name, runtime=runtime, **overrides)
+    if machines is not None:  # an inventory: bring it up across its machines for the run, then down
+        from .. import cluster
+
+        cluster.up(topo, machines, runtime=runtime)
+        try:
+            log(cluster.describe(topo.name))
+            return train_on(ClusterTestbed(topo.name), cfg, out, log=log)
+        finally:
+            errors = cluster.down(topo.name, log=lambda _m: None)
+            if errors:
+                log(f"warning: could not remove {topo.name} everywhere: {'; '.join(errors)}")
     tb = Testbed(topo, runtime=runtime, results_dir=out)
     with tb:
         summary = train_on(tb, cfg, out, log=log)

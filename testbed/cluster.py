@@ -1,0 +1,426 @@
+"""One topology across several machines: the controller's side (`--machines FILE`).
+
+The controller places the nodes (testbed/placement.py), connects to every machine that holds one (one paramiko
+connection each, testbed/remote.py, kept for the whole command), and has each machine build its own part with
+its own `testbed` (`testbed part-up SPEC`: the same Testbed code as a local `up`, restricted to its nodes, with
+a VXLAN tunnel end for each link that leaves them). Each machine runs the engines of the directions that leave
+its hosts, and keeps its own state, so it can be cleaned from there too (`testbed down NAME` on it).
+
+The controller's state records every machine *before* it is contacted, so `testbed down NAME` or `down --all`
+on the controller reaches them all after the controller was killed at any point.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import threading
+from dataclasses import asdict
+from typing import Callable
+
+from .placement import VXLAN_PORT, MachineView, engine_node, parts, place
+from .state import State, TopologyNotFound, claim, running_names, state_dir
+from .topo import Topology
+
+
+def cluster_of(name: str) -> dict | None:
+    """The `cluster` record of topology `name` on this controller, or None (a local topology, or none)."""
+    try:
+        return State.load(name).data.get("cluster")
+    except (TopologyNotFound, ValueError):
+        return None
+
+
+def _machines_of(record: dict):
+    from .inventory import Machine
+
+    return {m: Machine(**d) for m, d in record["machines"].items()}
+
+
+def _parallel(fn: Callable, items: list) -> list:
+    """fn(item) for every item in threads; results in order, exceptions returned in place."""
+    out: list = [None] * len(items)
+
+    def one(i, x):
+        try:
+            out[i] = fn(x)
+        except BaseException as e:  # noqa: BLE001 (returned, the caller decides)
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i, x)) for i, x in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _raise_first(results: list, what: str) -> None:
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        if len(errors) > 1:
+            raise RuntimeError(f"{what}: " + "; ".join(str(e) for e in errors)) from errors[0]
+        raise errors[0]
+
+
+def machine_view(remote, machine, peers: list[str]) -> MachineView:
+    """Ask `machine` how tunnels reach it (`testbed machine-info`)."""
+    args = ["machine-info", "--json"]
+    if machine.underlay_iface:
+        args += ["--iface", machine.underlay_iface]
+    for p in peers:
+        args += ["--peer", p]
+    info = json.loads(remote.testbed(args, timeout=30).stdout)
+    return MachineView(name=machine.name, address=info.get("address") or machine.address, mtu=int(info["mtu"]))
+
+
+def up(topo: Topology, inventory, runtime: str | None = None, vxlan_port: int = VXLAN_PORT,
+       log: Callable[[str], None] = print) -> dict:
+    """Bring `topo` up across the inventory's machines. Returns the controller's record (placement, machines,
+    notes). On any failure every machine's part is removed again, and the error names the machine."""
+    from .remote import connect_all
+
+    where = place(topo, list(inventory.machines))
+    used = [m for m in inventory.machines if m in set(where.values())]
+    record = {"machines": {m: asdict(inventory.machines[m]) for m in used}, "placement": where,
+              "inventory": inventory.path, "vxlan_port": vxlan_port, "notes": []}
+    claim(topo.name)
+    st = State.new(topo.name, file=topo.file, runtime=runtime or topo.runtime, topology=topo.raw, cluster=record)
+    remotes: dict = {}
+    try:
+        remotes = connect_all(inventory, used)
+        _raise_first(_parallel(lambda m: remotes[m].check(), used), "checking the machines")
+        addrs = {m: inventory.machines[m].address for m in used}
+        views = dict(zip(used, _parallel(
+            lambda m: machine_view(remotes[m], inventory.machines[m], [a for o, a in addrs.items() if o != m]),
+            used)))
+        _raise_first(list(views.values()), "asking the machines for their underlay")
+        specs, notes = parts(topo, where, views, vxlan_port)
+        record["notes"] = notes
+        st.update(cluster=record)
+
+        def part_up(m):
+            spec = {**specs[m], "topology": topo.raw, "file": topo.file, "runtime": runtime or topo.runtime}
+            path = f"/tmp/testbed-part-{topo.name}-{m}.json"
+            remotes[m].put_text(path, json.dumps(spec))
+            remotes[m].testbed(["part-up", path], timeout=600)
+
+        _raise_first(_parallel(part_up, used), f"bringing {topo.name} up")
+        st.update(phase="up")
+        return record
+    except BaseException:
+        _down_parts(topo.name, record, remotes, log=lambda _m: None)
+        shutil.rmtree(state_dir(topo.name), ignore_errors=True)
+        raise
+    finally:
+        for r in remotes.values():
+            r.close()
+
+
+def _down_parts(name: str, record: dict, remotes: dict | None = None, log: Callable[[str], None] = print) -> list[str]:
+    """`testbed down NAME` on every machine of `record` (connecting where `remotes` lacks one); the errors."""
+    from .remote import Remote
+
+    machines = _machines_of(record)
+    remotes = dict(remotes or {})
+    opened = []
+
+    def one(m):
+        r = remotes.get(m)
+        if r is None:
+            r = Remote.connect(machines[m])
+            opened.append(r)
+        res = r.testbed(["down", name], check=False, timeout=300)
+        # exit 2: nothing of it there (the part never came up): as good as removed
+        if res.returncode not in (0, 2):
+            raise RuntimeError(f"{m}: `testbed down {name}` failed: {(res.stderr or res.stdout).strip()[-500:]}")
+        log(f"down: {name} on {m}")
+
+    results = _parallel(one, list(machines))
+    for r in opened:
+        r.close()
+    return [str(e) for e in results if isinstance(e, BaseException)]
+
+
+def down(name: str, log: Callable[[str], None] = print) -> list[str]:
+    """Remove a cross-machine topology from every machine it recorded, then the controller's state (kept if a
+    machine could not be cleaned, so that `down` can be run again). Returns the errors."""
+    record = cluster_of(name)
+    if record is None:
+        raise TopologyNotFound(f"no cross-machine topology named {name!r} is up here")
+    errors = _down_parts(name, record, log=log)
+    if not errors:
+        shutil.rmtree(state_dir(name), ignore_errors=True)
+    return errors
+
+
+def down_all(inventory=None, log: Callable[[str], None] = print) -> list[str]:
+    """Every cross-machine topology this controller recorded, and with an inventory `testbed down --all` on
+    each of its machines too (what a killed controller may have left before recording it)."""
+    from .remote import Remote
+
+    errors = []
+    for name in running_names():
+        if cluster_of(name) is not None:
+            errors += down(name, log=log)
+    if inventory is not None:
+        def one(m):
+            with Remote.connect(inventory.machines[m]) as r:
+                r.testbed(["down", "--all"], timeout=300)
+            log(f"down --all on {m}")
+
+        errors += [str(e) for e in _parallel(one, list(inventory.machines)) if isinstance(e, BaseException)]
+    return errors
+
+
+def machine_of(name: str, node: str) -> str:
+    record = cluster_of(name)
+    try:
+        return record["placement"][node]
+    except KeyError:
+        raise KeyError(f"topology {name!r} has no node {node!r}") from None
+
+
+def on_machine(name: str, machine: str, args: list[str], **kw):
+    """Run `testbed ARGS` on one machine of topology `name`; its result."""
+    from .remote import Remote
+
+    with Remote.connect(_machines_of(cluster_of(name))[machine]) as r:
+        return r.testbed(args, **kw)
+
+
+def exec_in(name: str, node: str, argv: list[str], timeout: float | None = None):
+    """Run argv inside host `node` of a cross-machine topology (on its machine); the remote Result."""
+    return on_machine(name, machine_of(name, node), ["exec", "--topo", name, node, "--", *argv], check=False,
+                      timeout=timeout)
+
+
+def status(name: str) -> dict:
+    """`testbed status` of every machine's part, merged: hosts and engines carry their machine."""
+    record = cluster_of(name)
+    machines = list(record["machines"])
+
+    def one(m):
+        r = on_machine(name, m, ["status", "--topo", name, "--json"], check=False, timeout=60)
+        if r.returncode not in (0, 1):
+            raise RuntimeError(f"{m}: {(r.stderr or r.stdout).strip()[-300:]}")
+        return json.loads(r.stdout)[0]
+
+    results = _parallel(one, machines)
+    st = State.load(name).data
+    out = {"name": name, "file": st.get("file"), "runtime": st.get("runtime"), "phase": st.get("phase"),
+           "up_pid": None, "created_at": st.get("created_at"), "hosts": {}, "engines": [], "problems": [],
+           "machines": {}, "placement": record["placement"]}
+    for m, res in zip(machines, results):
+        if isinstance(res, BaseException):
+            out["problems"].append(f"machine {m}: {res}")
+            out["machines"][m] = "unreachable"
+            continue
+        out["machines"][m] = res.get("phase")
+        for h, v in res.get("hosts", {}).items():
+            out["hosts"][h] = {**v, "machine": m}
+        out["engines"] += [{**e, "machine": m} for e in res.get("engines", [])]
+        out["problems"] += [f"{m}: {p}" for p in res.get("problems", [])]
+        if res.get("phase") != "up":
+            out["problems"].append(f"machine {m}: part is {res.get('phase')}")
+    out["healthy"] = out["phase"] == "up" and not out["problems"]
+    return out
+
+
+def stats(name: str) -> list[dict]:
+    record = cluster_of(name)
+    machines = list(record["machines"])
+    results = _parallel(lambda m: on_machine(name, m, ["stats", "--topo", name, "--json"], check=False, timeout=60),
+                        machines)
+    out = []
+    for m, r in zip(machines, results):
+        if isinstance(r, BaseException):
+            raise r
+        if r.stdout.strip().startswith("["):
+            out += [{**s, "machine": m} for s in json.loads(r.stdout)]
+    return out
+
+
+def link_set(name: str, link_name: str, args: list[str]) -> str:
+    """Forward `testbed link set LINK ARGS` to the machines that run the link's engines; their output."""
+    topo = Topology.from_dict(State.load(name).data["topology"])
+    l = topo.link(link_name)
+    where = cluster_of(name)["placement"]
+    machines = sorted({where[engine_node(topo, l, d)] for d, *_ in l.directions()})
+    outs = []
+    for m in machines:
+        r = on_machine(name, m, ["link", "set", "--topo", name, link_name, *args], check=True, timeout=60)
+        outs.append(r.stdout.strip())
+    return "\n".join(o for o in outs if o)
+
+
+def describe(name: str) -> str:
+    record = cluster_of(name)
+    rows = [f"  {node:<12} {m:<10} {record['machines'][m]['address']}" for node, m in record["placement"].items()]
+    out = [f"placement of {name} ({len(record['machines'])} machines):", *rows]
+    out += [f"note: {n}" for n in record.get("notes", [])]
+    return "\n".join(out)
+
+
+def quote(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+# -- training across machines ----------------------------------------------------------------------------------
+
+
+class ClusterTestbed:
+    """What training needs of a topology that spans machines (testbed/experiments/training.py uses it in place
+    of a Testbed): the topology, management addresses, engine counters gathered from every machine, and workers
+    started on their hosts' machines, whose run-directory files are mirrored here as they are written."""
+
+    def __init__(self, name: str):
+        record = cluster_of(name)
+        if record is None:
+            raise TopologyNotFound(f"no cross-machine topology named {name!r} is up here")
+        data = State.load(name).data
+        self.name, self.record = name, record
+        self.topo = Topology.from_dict(data["topology"], file=data.get("file"))
+        self.runtime_name = data.get("runtime") or self.topo.runtime
+
+    def __enter__(self) -> "ClusterTestbed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def mgmt_address(self, node: str) -> str:
+        return str(self.topo.plan.mgmt[node].ip)
+
+    def machine_of(self, node: str) -> str:
+        return self.record["placement"][node]
+
+    def counters(self, links=None) -> dict[str, dict]:
+        wanted = None if links is None else set(links)
+        return {f"{s['link']}/{s['direction']}": s for s in stats(self.name)
+                if wanted is None or s["link"] in wanted}
+
+    def counters_since(self, before: dict, links=None, fields=None) -> dict[str, dict]:
+        from .net import COUNTER_FIELDS, counter_delta
+
+        after = self.counters(links)
+        out = counter_delta(before, after, fields or COUNTER_FIELDS)
+        for key, d in out.items():
+            d["machine"] = after[key].get("machine")  # which machine ran that engine
+        return out
+
+    def workers(self, run_dir, hosts: list[str], passed: tuple[str, ...]) -> "RemoteWorkers":
+        return RemoteWorkers(self, run_dir, hosts, passed)
+
+
+class RemoteWorkers:
+    """Training workers on other machines: `spawn` for launch.run_workers, and the mirror of their run
+    directories into the controller's (the launcher watches those files). Use as a context manager."""
+
+    MIRRORED = ("metrics-rank", "status-rank", "worker-rank", "final-rank")
+
+    def __init__(self, tb: ClusterTestbed, run_dir, hosts: list[str], passed: tuple[str, ...]):
+        import uuid
+        from pathlib import Path
+
+        from .remote import Remote
+
+        self.tb, self.run_dir, self.hosts, self.passed = tb, Path(run_dir), hosts, passed
+        self.remote_dir = f"/tmp/testbed-run-{uuid.uuid4().hex[:12]}"
+        machines = _machines_of(tb.record)
+        used = sorted({tb.machine_of(h) for h in hosts})
+        self.remotes = {m: Remote.connect(machines[m]) for m in used}
+        for r in self.remotes.values():
+            r.makedirs(self.remote_dir)
+        self._seen: dict[tuple[str, str], tuple] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._mirror_loop, daemon=True)
+
+    def __enter__(self) -> "RemoteWorkers":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.mirror()  # the last state of every file
+        for r in self.remotes.values():
+            r.run(["rm", "-rf", self.remote_dir], check=False, timeout=60)
+            r.close()
+
+    def prepare_data(self, model: str, data: str | None) -> None:
+        """Each machine prepares (or finds in its cache) the corpus and tokens, as the controller does."""
+        args = ["python", "-m", "testbed.train.data", "--model", model] + (["--data", data] if data else [])
+
+        def one(m):
+            r = self.remotes[m]
+            r.run([python_of(r.machine), *args[1:]], timeout=900)
+
+        _raise_first(_parallel(one, list(self.remotes)), "preparing the training data")
+
+    def spawn(self, rank: int, argv: list[str], env: dict):
+        host = self.hosts[rank]
+        r = self.remotes[self.tb.machine_of(host)]
+        argv = list(argv)
+        argv[argv.index("--out") + 1] = self.remote_dir
+        kv = [f"{k}={env[k]}" for k in self.passed if k in env]
+        cmd = [*r.machine.testbed_argv, "exec", "--topo", self.tb.name, host, "--", "env", *kv, python_of(r.machine),
+               *argv[1:]]
+        return _RemoteWorker(r.start(cmd, log_path=f"{self.remote_dir}/worker-rank{rank}.log"), self)
+
+    def _mirror_loop(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.mirror()
+            except Exception:  # a transient SFTP failure: the next pass (and the final one) catch up
+                pass
+
+    def mirror(self) -> None:
+        """Copy every worker file that changed on a machine into the controller's run directory (atomically)."""
+        import os
+        import stat as stat_
+
+        with self._lock:
+            for m, r in self.remotes.items():
+                for a in r.sftp().listdir_attr(self.remote_dir):
+                    if not a.filename.startswith(self.MIRRORED) or stat_.S_ISDIR(a.st_mode or 0):
+                        continue
+                    key, sig = (m, a.filename), (a.st_size, a.st_mtime)
+                    if self._seen.get(key) == sig:
+                        continue
+                    tmp = self.run_dir / f".{a.filename}.mirror"
+                    r.get(f"{self.remote_dir}/{a.filename}", str(tmp))
+                    os.replace(tmp, self.run_dir / a.filename)
+                    self._seen[key] = sig
+
+
+def python_of(machine) -> str:
+    """The Python of the testbed installation there: beside its `testbed` command when that is a path (a
+    virtual environment's bin/), else `python3` on its PATH."""
+    cmd = machine.testbed_argv[0]
+    return cmd.rsplit("/", 1)[0] + "/python" if "/" in cmd else "python3"
+
+
+class _RemoteWorker:
+    """A worker on another machine, as launch.run_workers sees a process: pid, poll(), wait(), kill()."""
+
+    def __init__(self, proc, workers: RemoteWorkers):
+        self.proc, self.workers = proc, workers
+        self.pid = proc.pid
+        self.returncode = None
+
+    def poll(self):
+        rc = self.proc.poll()
+        if rc is not None and self.returncode is None:
+            self.workers.mirror()  # its last lines are here before the launcher reads its exit
+            self.returncode = rc
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self.proc.wait(timeout)
+        return self.poll()
+
+    def kill(self):
+        self.proc.kill(9)
