@@ -339,7 +339,8 @@ def cmd_machines_from_ssh_config(args) -> int:
     from .inventory import inventory_from_ssh_config
 
     text = sys.stdin.read() if args.file == "-" else open(args.file).read()
-    print(inventory_from_ssh_config(text), end="")
+    print(inventory_from_ssh_config(text, "<stdin>" if args.file == "-" else args.file,
+                                    underlay_iface=args.underlay_iface, user=args.user), end="")
     return 0
 
 
@@ -448,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "e.g. `vagrant ssh-config > machines.ssh; testbed machines from-ssh-config "
                                      "machines.ssh > machines.yaml`.")
     ms.add_argument("file", metavar="FILE", help="OpenSSH client config ('-': standard input)")
+    ms.add_argument("--user", help="log in as USER on every machine instead of the config's (Vagrant lists "
+                    "`vagrant`; the testbed needs root: --user root)")
+    ms.add_argument("--underlay-iface", metavar="IFACE", help="interface of every machine that carries the "
+                    "tunnels (Vagrant's private network: eth1 on Debian boxes); default: the route to the others")
     ms.set_defaults(fn=cmd_machines_from_ssh_config)
 
     # used by the controller over SSH (testbed/cluster.py); not for people

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+import testbed.nsutil
+import testbed.state
 from conftest import TOPOLOGIES, tb_cli, unique_name
 from sshmachines import inventory_yaml, ssh_machines
 from testbed import cluster
@@ -21,11 +23,25 @@ from testbed.remote import Remote
 
 @pytest.fixture(scope="module")
 def machines(tmp_path_factory):
-    with ssh_machines(3) as ms:
-        inv = tmp_path_factory.mktemp("inventory") / "machines.yaml"
-        inv.write_text(inventory_yaml(ms))
-        yield ms, inv
-        assert_nothing_left(ms)
+    # The controller (this process and the `testbed` commands it runs) gets its own state directory and namespace
+    # prefix, as each machine has: the test's `testbed down --all` then sweeps only what this module made, never
+    # a topology that something else on this host has up.
+    mp = pytest.MonkeyPatch()
+    ctl = tmp_path_factory.mktemp("controller-state")
+    prefix = f"tbc{os.getpid() % 100000}."
+    mp.setenv("TESTBED_STATE_DIR", str(ctl))
+    mp.setenv("TESTBED_PREFIX", prefix)
+    mp.setattr(testbed.state, "STATE_ROOT", ctl)
+    mp.setattr(testbed.nsutil, "PREFIX", prefix)
+    try:
+        with ssh_machines(3) as ms:
+            inv = tmp_path_factory.mktemp("inventory") / "machines.yaml"
+            inv.write_text(inventory_yaml(ms))
+            yield ms, inv
+            assert_nothing_left(ms)
+            assert os.listdir(ctl) == []
+    finally:
+        mp.undo()
 
 
 def netns_of(machine) -> list[str]:

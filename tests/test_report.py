@@ -73,7 +73,8 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
         "batch_size": None, "seq_len": None, "microbatches": None,  # as if the rows predate these fields
         "collectives": ["allreduce" if mode == "ddp" else "p2p"],
         "machine": {"uname": "Linux test 6.1 x86_64", "cpus": 2, "hostname": "test"},
-        "wall_time_s": 40.0, "finished_at": 1.7e9 + 60 * seed, "image_digest": None, "run_dir": f"points/{point}",
+        "wall_time_s": 40.0, "finished_at": 1.7e9 + 60 * seed, "image_digest": None, "placement": None,
+        "run_dir": f"points/{point}",
     } | fields)
 
 

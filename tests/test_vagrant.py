@@ -83,6 +83,6 @@ def test_vagrantfile_provisions_what_the_testbed_needs():
                    "/home/vagrant/.ssh/authorized_keys /root/.ssh/authorized_keys",
                    "config.vm.provider :libvirt", "config.vm.provider :virtualbox",
                    "vagrant ssh-config > machines.ssh",
-                   "testbed machines from-ssh-config machines.ssh > machines.yaml",
+                   "testbed machines from-ssh-config machines.ssh --user root --underlay-iface eth1 > machines.yaml",
                    "testbed up topologies/ring4.yaml --machines machines.yaml"):
         assert needed in text, needed

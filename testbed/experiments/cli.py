@@ -57,7 +57,12 @@ def cmd_run(args) -> int:
     from .spec import Experiment
 
     exp = Experiment.load(args.experiment)
-    rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed)
+    machines = None
+    if args.machines:
+        from ..inventory import load_inventory
+
+        machines = load_inventory(args.machines)
+    rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed, machines=machines)
     from .report import write_report
 
     report = write_report(args.out)
@@ -91,6 +96,8 @@ def register(sub) -> None:
     s.add_argument("--out", required=True, metavar="DIR")
     s.add_argument("--runtime", choices=["netns", "docker"], help="override the experiment's runtime")
     s.add_argument("--retry-failed", action="store_true", help="also re-run points that did not end ok")
+    s.add_argument("--machines", metavar="FILE", help="inventory of machines: every point's topology is placed "
+                   "across them (docs/machines.md); each row records where every host ran")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("report", help="rebuild plots and report from results",

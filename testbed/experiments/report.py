@@ -30,7 +30,7 @@ from .analysis import (DEFAULT_N_STD, DEFAULT_TOLERANCE, LATENCY_STATS, PUBLISHE
 from .formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text, mode_name,
                          status_text)
 from .plots import latency_label
-from .results import DEFAULT_RECIPE, SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
+from .results import DEFAULT_RECIPE, FIELDS_BY_NAME, SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
 
 RESULTS_FILE, LATENCY_FILE, EXPERIMENT_FILE = "results.jsonl", "latency.json", "experiment.yaml"
 SUMMARY_FILE, REPORT_FILE = "summary.csv", "report.md"
@@ -83,7 +83,9 @@ def _is_scalar(v) -> bool:
 def write_summary_csv(rows: list[dict], path) -> Path:
     """One line per point, scalar fields only (curves dropped): the schema's columns in schema order, then any
     other scalar fields alphabetically; rows in grid order (mode, scope, checksum, BER, seed)."""
-    extra = sorted({k for r in rows for k, v in r.items() if k not in SUMMARY_COLUMNS and _is_scalar(v)})
+    # schema fields that are not scalars (curves, dicts) stay out even when a row holds null there
+    extra = sorted({k for r in rows for k, v in r.items()
+                    if k not in SUMMARY_COLUMNS and k not in FIELDS_BY_NAME and _is_scalar(v)})
     columns = list(SUMMARY_COLUMNS) + extra
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")

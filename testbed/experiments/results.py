@@ -143,6 +143,8 @@ FIELDS: tuple[Field, ...] = (
     _f("protected_ber", "float?", "engine: residual error rate of protected bits"),
     _f("collectives", "list?", "[str]: what `scope: tensor` corrupted (DDP: allreduce; PP: p2p); null otherwise"),
     _f("machine", "dict", "`uname`, `cpus`, `hostname` of the machine that ran the point"),
+    _f("placement", "dict?", "{host: machine}: where every host ran when the point ran across machines "
+                             "(`testbed run --machines`); null: all on this machine"),
     _f("wall_time_s", "float?", "training wall time, s"),
     _f("finished_at", "float", "when the point finished, seconds since the epoch", error=True),
     _f("image_digest", "str?", "worker image digest (docker runtime)"),

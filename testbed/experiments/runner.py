@@ -123,6 +123,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         if point.scope == "tensor" else None,
         machine={"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
         wall_time_s=summary.get("wall_time_s"), finished_at=time.time(), image_digest=summary.get("image_digest"),
+        placement=summary.get("machines"),
         run_dir=str(run_dir.relative_to(run_dir.parent.parent)),
     )
     if baseline_dir is not None and baseline_dir != run_dir and (baseline_dir / "metrics.jsonl").exists():
@@ -183,7 +184,8 @@ def cfg_field(summary: dict, key: str):
 
 
 def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
-                   log=None) -> list[dict]:
+                   log=None, machines=None) -> list[dict]:
+    """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given."""
     from tqdm import tqdm
 
     out = Path(out).resolve()
@@ -206,7 +208,7 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
         for point in todo:
             bar.set_postfix_str(point.id)
             row = run_point(exp, point, out, runtime, fps[point.recipe], f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
-                                                          f"{points.index(point)}")
+                                                          f"{points.index(point)}", machines)
             line = row.pop("_line", None) or f"{row['status']}: {row.get('reason')}"
             store.add(row)
             say(f"{point.id}: {line}")
@@ -218,7 +220,8 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     return list(store.rows.values())
 
 
-def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp: str, name: str) -> dict:
+def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp: str, name: str,
+              machines=None) -> dict:
     """Train one point; a failure of the set-up (not of the training) becomes an `error` row, so one bad
     point does not end the sweep (`--retry-failed` runs it again)."""
     run_dir = out / "points" / point.id
@@ -227,7 +230,7 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
     try:  # the collectives a tensor-scope point corrupts come with its config (train_config)
         summary = train(exp.topology(point.mode), train_config(exp, point), run_dir, ber=point.ber,
                         scope=point.scope, checksum=point.checksum, runtime=runtime, name=name, log=lambda m: None,
-                        **exp.link_settings(point))
+                        machines=machines, **exp.link_settings(point))
     except KeyboardInterrupt:
         raise
     except Exception as e:
