@@ -169,7 +169,8 @@ def cmd_status(args) -> int:
     rows = []
     for s in result:
         eng = f"{sum(e['alive'] for e in s['engines'])}/{len(s['engines'])} alive" if s["engines"] else "-"
-        rows.append([s["name"], s["phase"], s["runtime"], len(s["hosts"]), eng, "ok" if s["healthy"] else "PROBLEM",
+        where = f"{s['runtime']} on {len(s['machines'])} machines" if s.get("machines") else s["runtime"]
+        rows.append([s["name"], s["phase"], where, len(s["hosts"]), eng, "ok" if s["healthy"] else "PROBLEM",
                      s["file"] or "-"])
     print(_table(rows, ["topology", "phase", "runtime", "hosts", "engines", "health", "file"]))
     for s in result:
