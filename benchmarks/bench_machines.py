@@ -15,13 +15,15 @@ between real machines does.
   or state directory of the machines' prefixes, the local prefix or the topology). Medians, and each median
   ratio of up+down to the local run of the same repetition. `--ber-ring BER` adds a variant with BER on every
   link (32 engines).
-- pair (topologies/pair.yaml) up twice for the whole run: on 1 machine (h1-h2 a veth) and on 2 (h1-h2 a VXLAN
-  tunnel, MTU 1450). The project's probe (`python -m testbed.engine.probe recv` in h2, started with
-  Remote.start; `send` in h1, through cluster.exec_in: both `testbed exec` on the host's machine with the
-  testbed's own Python there) measures TCP throughput from h1 to h2: without an engine, then with one on h1->h2
-  (`testbed link set ... --ber 0 --scope payload`), then at BER 1e-6; each phase --reps times, veth and tunnel
-  alternating. Ratios per repetition against the veth without an engine of the same repetition (the baseline),
-  and against the veth with the same engine setting; medians.
+- pair (topologies/pair.yaml), four copies up for the whole measurement: two on 1 machine (h1-h2 a veth) and
+  two on 2 machines (h1-h2 a VXLAN tunnel, MTU 1450); one of each never gets an engine (the references), the
+  other gets one on h1->h2 (`testbed link set ... --ber 0 --scope payload`, later `--ber 1e-6`). The project's
+  probe (`python -m testbed.engine.probe recv` in h2, started with Remote.start; `send` in h1, through
+  cluster.exec_in: both `testbed exec` on the host's machine, with the testbed's own Python there) measures TCP
+  throughput h1 -> h2. Each repetition measures all four copies in a rotating order, --reps repetitions per
+  engine setting; ratios per repetition against the veth without an engine of the same repetition (the
+  baseline) and against the veth with the same engine; medians. The engine's flips over each setting are
+  checked against the bit errors the receivers counted.
 
 The controller's state, history and local namespaces are private to the run (TESTBED_STATE_DIR,
 TESTBED_HISTORY_DIR and TESTBED_PREFIX are set to the run's own), so other topologies on this host are never
@@ -251,60 +253,78 @@ def probe_once(name: str, nbytes: int, port: int, timeout: float = 120) -> dict:
             "out_segs": sent["out_segs"], "bit_errors": got["bit_errors"]}
 
 
-def engine_counters(name: str) -> dict | None:
+def engine_counters(name: str) -> dict:
+    """The counters of the engine on h1->h2 (cumulative since it started)."""
     from testbed import cluster
 
     for s in cluster.stats(name):
         if s.get("link") == "h1-h2" and s.get("direction") == "h1->h2":
-            return {k: s.get(k) for k in ("machine", "ber", "packets", "bits_seen", "bits_flipped", "realized_ber",
-                                          "packets_modified")}
-    return None
+            return {k: s.get(k) for k in ("machine", "ber", "packets", "bits_seen", "bits_flipped")}
+    raise RuntimeError(f"{name}: no engine on h1-h2 h1->h2")
+
+
+LINKS = ("veth", "tunnel")
 
 
 def bench_throughput(topos: Topologies, inventories: dict[int, str], reps: int, nbytes: int, tag: str) -> dict:
+    """Four pairs up for the whole measurement: a veth and a tunnel that never get an engine (the references)
+    and a veth and a tunnel that get one. Each repetition measures all four, in a rotating order, so every
+    ratio compares transfers made moments apart."""
     from testbed import cluster
 
     pair = str(ROOT / "topologies" / "pair.yaml")
-    where = {"veth": f"pv-{tag}", "tunnel": f"pt-{tag}"}
-    topos.bring_up(pair, where["veth"], inventories[1])
-    topos.bring_up(pair, where["tunnel"], inventories[2])
-    placement = {k: cluster.cluster_of(n)["placement"] for k, n in where.items()}
-    assert len(set(placement["veth"].values())) == 1 and len(set(placement["tunnel"].values())) == 2, placement
-    notes = {k: cluster.cluster_of(n).get("notes", []) for k, n in where.items()}
-    phases = ["no engine"] + [f"engine ber={b:g}" for b in ENGINE_BERS]
-    runs: dict[str, dict[str, list[dict]]] = {p: {"veth": [], "tunnel": []} for p in phases}
-    counters: dict[str, dict] = {}
+    names = {(k, eng): f"p{k[0]}{'e' if eng else 'c'}-{tag}" for k in LINKS for eng in (False, True)}
+    for (k, _), n in names.items():
+        topos.bring_up(pair, n, inventories[1 if k == "veth" else 2])
+    placement = {n: cluster.cluster_of(n)["placement"] for n in names.values()}
+    for (k, _), n in names.items():
+        assert len(set(placement[n].values())) == (1 if k == "veth" else 2), placement
+    notes = {n: cluster.cluster_of(n).get("notes", []) for n in names.values()}
+    phases = [f"engine ber={b:g}" for b in ENGINE_BERS]
+    runs: dict[str, dict[tuple, list[dict]]] = {p: {key: [] for key in names} for p in phases}
+    checks: dict[str, dict] = {}
     port = PROBE_PORT
-    for phase, ber in zip(phases, (None, *ENGINE_BERS)):
-        if ber is not None:
-            for k, n in where.items():
-                must(cli("link", "set", "--topo", n, "h1-h2", "--direction", "h1-h2", "--ber", f"{ber:g}",
-                         "--scope", "payload", timeout=120)[0])
+    keys = list(names)
+    for phase, ber in zip(phases, ENGINE_BERS):
+        for k in LINKS:
+            must(cli("link", "set", "--topo", names[(k, True)], "h1-h2", "--direction", "h1-h2", "--ber", f"{ber:g}",
+                     "--scope", "payload", timeout=120)[0])
+        before = {k: engine_counters(names[(k, True)]) for k in LINKS}
         for rep in range(reps):
-            order = ("veth", "tunnel") if rep % 2 == 0 else ("tunnel", "veth")
-            for k in order:
+            shift = rep % len(keys)
+            for key in keys[shift:] + keys[:shift]:
                 port += 1
-                runs[phase][k].append(probe_once(where[k], nbytes, port))
-            log(f"throughput {phase} rep {rep + 1}/{reps}: veth {runs[phase]['veth'][-1]['gbit_s']:.2f}, "
-                f"tunnel {runs[phase]['tunnel'][-1]['gbit_s']:.2f} Gbit/s")
-        if ber is not None:
-            counters[phase] = {k: engine_counters(n) for k, n in where.items()}
-    base = runs["no engine"]["veth"]
-    out: dict = {"bytes": nbytes, "placement": placement, "notes": notes, "engine_counters": counters, "rows": {}}
-    for phase in phases:
-        for k in ("veth", "tunnel"):
-            v = runs[phase][k]
-            out["rows"][f"{k}, {phase}"] = {
-                "gbit_s_median": statistics.median(r["gbit_s"] for r in v),
+                runs[phase][key].append(probe_once(names[key], nbytes, port))
+            log(f"throughput {phase} rep {rep + 1}/{reps}: " + ", ".join(
+                f"{k}{' + engine' if e else ''} {runs[phase][(k, e)][-1]['gbit_s']:.2f}" for k, e in keys) + " Gbit/s")
+        after = {k: engine_counters(names[(k, True)]) for k in LINKS}
+        for k in LINKS:
+            bits = after[k]["bits_seen"] - before[k]["bits_seen"]
+            flips = after[k]["bits_flipped"] - before[k]["bits_flipped"]
+            app = sum(r["bit_errors"] for r in runs[phase][(k, True)])
+            checks[f"{k}, {phase}"] = {"machine": after[k]["machine"], "bits_seen": bits, "bits_flipped": flips,
+                                       "realized_ber": flips / bits if bits else None,
+                                       "receiver_bit_errors": app, "flips_equal_bit_errors": flips == app}
+
+    def row(v: list[dict], base: list[dict], same: list[dict]) -> dict:
+        return {"gbit_s_median": statistics.median(r["gbit_s"] for r in v),
                 "x_veth_no_engine_median": statistics.median(r["gbit_s"] / b["gbit_s"] for r, b in zip(v, base)),
-                "x_veth_same_phase_median": statistics.median(
-                    r["gbit_s"] / b["gbit_s"] for r, b in zip(v, runs[phase]["veth"])),
+                "x_veth_same_engine_median": statistics.median(r["gbit_s"] / b["gbit_s"] for r, b in zip(v, same)),
                 "retrans_segs_median": statistics.median(r["retrans_segs"] for r in v),
-                "bit_errors_median": statistics.median(r["bit_errors"] for r in v),
-                "runs": v}
-    for k, n in where.items():
+                "bit_errors_median": statistics.median(r["bit_errors"] for r in v), "runs": v}
+
+    rows = {}
+    base = [r for p in phases for r in runs[p][("veth", False)]]  # the references: every repetition of every phase
+    for k in LINKS:
+        v = [r for p in phases for r in runs[p][(k, False)]]
+        rows[f"{k}, no engine"] = row(v, base, base)
+    for p in phases:
+        for k in LINKS:
+            rows[f"{k}, {p}"] = row(runs[p][(k, True)], runs[p][("veth", False)], runs[p][("veth", True)])
+    for n in names.values():
         topos.bring_down(n)
-    return out
+    return {"bytes": nbytes, "topologies": {f"{k}{' + engine' if e else ''}": n for (k, e), n in names.items()},
+            "placement": placement, "notes": notes, "engine_checks": checks, "rows": rows}
 
 
 # -- main ---------------------------------------------------------------------------------------------------
@@ -321,21 +341,22 @@ def print_tables(result: dict) -> None:
                   f"{v['x_local_total_median']:>8.2f} {'yes' if v['nothing_left'] else 'NO':>13}")
     t = result.get("throughput")
     if t:
-        print(f"\nTCP h1 -> h2 (probe, {t['bytes'] / 1e6:g} MB per run), median of {result['reps']}; ratios per "
-              "repetition against the veth of the same repetition")
+        print(f"\nTCP h1 -> h2 (probe, {t['bytes'] / 1e6:g} MB per run), median of {result['reps']} per engine "
+              f"setting ({2 * result['reps']} for no engine); ratios per repetition against a veth of the same "
+              "repetition")
         print(f"{'link':<28} {'Gbit/s':>8} {'x veth no engine':>17} {'x veth same engine':>19} {'retrans':>8} "
               f"{'bit errors':>11}")
         for k, v in t["rows"].items():
             print(f"{k:<28} {v['gbit_s_median']:>8.2f} {v['x_veth_no_engine_median']:>17.2f} "
-                  f"{v['x_veth_same_phase_median']:>19.2f} {v['retrans_segs_median']:>8g} "
+                  f"{v['x_veth_same_engine_median']:>19.2f} {v['retrans_segs_median']:>8g} "
                   f"{v['bit_errors_median']:>11g}")
-        for k, notes in t["notes"].items():
-            for n in notes:
-                print(f"note ({k}): {n}")
-        for phase, c in t["engine_counters"].items():
-            print(f"engine h1->h2 after '{phase}': " + "; ".join(
-                f"{k}: {v['bits_flipped']} of {v['bits_seen']} bits flipped (on {v['machine']})"
-                for k, v in c.items() if v))
+        for n, notes in t["notes"].items():
+            for x in notes:
+                print(f"note ({n}): {x}")
+        for k, c in t["engine_checks"].items():
+            print(f"engine h1->h2, {k} (on {c['machine']}): {c['bits_flipped']} of {c['bits_seen']:.4g} payload bits "
+                  f"flipped (realized {c['realized_ber'] or 0:.3g}); receiver counted {c['receiver_bit_errors']} bit "
+                  f"errors: {'equal' if c['flips_equal_bit_errors'] else 'DIFFERENT'}")
     print(f"\nwall time {result['wall_s']:.0f} s; problems: {result['problems'] or 'none'}")
 
 

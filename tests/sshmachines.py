@@ -294,7 +294,7 @@ MaxSessions 64
 MaxStartups 64:30:128
 LogLevel INFO
 Subsystem sftp internal-sftp
-SetEnv TESTBED_STATE_DIR={state} TESTBED_PREFIX={prefix} TMPDIR={mdir / 'tmp'} PATH={path}
+SetEnv TESTBED_STATE_DIR={state} TESTBED_HISTORY_DIR={mdir / 'history'} TESTBED_PREFIX={prefix} TMPDIR={mdir / 'tmp'} PATH={path}
 """
 
 
