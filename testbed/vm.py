@@ -31,10 +31,12 @@ each other use the same `eth0`.
 
 Acceleration (`accel()`): $TESTBED_VM_ACCEL = `kvm`, `tcg` or `auto` (default). `auto` uses KVM when /dev/kvm
 opens and a probe boot under KVM reaches the kernel's panic for a missing root within a few seconds (nested
-KVM may hang at boot: then TCG, qemu's emulator); a KVM boot that never gets ready is retried once under TCG.
+KVM may fail or hang at boot: then TCG, qemu's emulator), and retries a KVM boot that never gets ready once
+under TCG; `kvm` uses KVM without probe or fallback.
 
 Every VM's files (console log, qemu's overlay, its keys) are in a temporary directory removed on stop();
-stop() always kills qemu (qemu is also killed when the thread that booted it dies: PR_SET_PDEATHSIG).
+stop() always kills qemu; qemu started from the main thread is also killed when the process that started it
+dies (PR_SET_PDEATHSIG), but its namespace is then left: `ip netns del tbv<TAG>-ul`.
 
 Needs root, and on the host: debootstrap, e2fsprogs (mkfs.ext4 -d), qemu-system-x86 (with 9p, as Debian's
 is), iproute2, util-linux (nsenter, unshare), openssh-client (ssh-keygen).
@@ -129,14 +131,15 @@ mkdir -p /var/lib/testbed
 mountpoint -q /var/lib/testbed || mount -t tmpfs -o mode=0755 tmpfs /var/lib/testbed
 mountpoint -q /sys/fs/cgroup || mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 /sys/fs/cgroup 2>/dev/null
 mkdir -p /run/sshd /run/netns /run/testbed-vm/cfg
-for m in virtio_net virtio_rng 9pnet_virtio 9p; do modprobe -q $m || say "modprobe $m failed"; done
+for m in virtio_net virtio_rng 9pnet_virtio 9p sch_netem; do modprobe -q $m || say "modprobe $m failed"; done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro tbvmcfg /run/testbed-vm/cfg || fail "mount the configuration share"
 cfg=/run/testbed-vm/cfg
 . $cfg/vm.env
 while read -r tag path; do
     [ -n "$tag" ] || continue
     mkdir -p "$path" 2>/dev/null
-    mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 "$tag" "$path" || fail "mount share $tag on $path"
+    mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 "$tag" "$path" \
+        || fail "mount share $tag on $path"
 done <$cfg/shares
 hostname "$NAME"; echo "$NAME" >/etc/hostname
 printf '127.0.0.1 localhost\n127.0.1.1 %s\n' "$NAME" >/etc/hosts
@@ -263,8 +266,9 @@ def build_image(cache: str | os.PathLike | None = None, *, suite: str = SUITE, m
         if (dest / "image.json").exists():
             log(f"image {dest} (cached)")
             return Image.load(dest)
+        for stale in root.glob(f".{key}.build-*"):  # of a build that was killed
+            _rm_tree(stale)
         work = root / f".{key}.build-{os.getpid()}"
-        _rm_tree(work)
         work.mkdir()
         t0 = time.monotonic()
         try:
@@ -323,8 +327,6 @@ def _build(work: Path, r: dict, key: str, suite: str, mirror: str, debs: Path, l
     (rootfs / "etc/hostname").write_text("testbed-vm\n")
     (rootfs / "etc/resolv.conf").unlink(missing_ok=True)
     (rootfs / "etc/resolv.conf").write_text("")  # the VMs have no DNS server
-    (rootfs / "etc/modules-load.d").mkdir(exist_ok=True)
-    (rootfs / "etc/modules-load.d/testbed.conf").write_text("sch_netem\n")
     for d in ("var/lib/apt/lists", "var/cache/apt/archives", "usr/share/doc", "usr/share/man", "usr/share/info"):
         p = rootfs / d
         if p.is_dir() and not p.is_symlink():
@@ -444,12 +446,17 @@ def kvm_works(image: Image | None = None, log: Log = _quiet, timeout: float = KV
                 p.kill()
                 p.wait()
         text = console.read_text(errors="replace") if console.exists() else ""
-        ok = "Kernel panic" in text
-        log(f"KVM probe: {'panicked as expected' if ok else 'no panic'} after {time.monotonic() - t:.1f} s"
-            + ("" if ok else f" (qemu: {p.stderr.read().decode(errors='replace').strip()[-300:] if p.stderr else ''};"
-                             f" console: ...{text.strip()[-300:]!r})"))
+        err = p.stderr.read().decode(errors="replace").strip() if p.stderr else ""
         if p.stderr:
             p.stderr.close()
+        ok = "Kernel panic" in text
+        took = time.monotonic() - t
+        if ok:
+            log(f"KVM probe: the kernel booted under KVM ({took:.1f} s)")
+        elif p.returncode is not None and p.returncode != -signal.SIGKILL:
+            log(f"KVM probe: qemu failed under KVM in {took:.1f} s: {err.splitlines()[-1] if err else p.returncode}")
+        else:
+            log(f"KVM probe: no kernel output under KVM after {took:.1f} s (hangs)")
         return ok
 
 
@@ -673,8 +680,9 @@ class VM:
             if READY_MARK in text:
                 break
             if FAILED_MARK in text or self.proc.poll() is not None:
-                raise RuntimeError(f"VM {self.name} did not boot (qemu {'exited: ' + str(self.proc.returncode) if self.proc.poll() is not None else 'runs'}):\n"
-                                   f"{self.qemu_log()[-1000:]}\n...{text[-3000:]}")
+                how = f"qemu exited: {self.proc.returncode}" if self.proc.poll() is not None else "its init failed"
+                raise RuntimeError(f"VM {self.name} did not boot ({how}):\n{self.qemu_log()[-1000:]}\n"
+                                   f"...{text[-3000:]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"VM {self.name} ({self.accel}) not ready after {timeout:g} s:\n...{text[-3000:]}")
             time.sleep(0.1)
@@ -682,7 +690,8 @@ class VM:
             if self._banner():
                 break
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"VM {self.name}: sshd does not answer on {self.address}:22:\n...{self.console()[-2000:]}")
+                raise RuntimeError(f"VM {self.name}: sshd does not answer on {self.address}:22:\n"
+                                   f"...{self.console()[-2000:]}")
             time.sleep(0.2)
         self.boot_s = time.monotonic() - self.started_at
         return self.boot_s
@@ -747,8 +756,8 @@ def _wait(vm: VM, timeout: float, log: Log) -> None:
     try:
         s = vm.wait_ready(timeout if vm.accel == "tcg" else min(timeout, 60.0))
     except (TimeoutError, RuntimeError):
-        if vm.accel != "kvm":
-            raise
+        if vm.accel != "kvm" or os.environ.get("TESTBED_VM_ACCEL", "auto").strip().lower() == "kvm":
+            raise  # TCG failed, or KVM was asked for
         log(f"{vm.name}: no boot under KVM; retrying under TCG")
         _forget_kvm()
         if vm.proc is not None and vm.proc.poll() is None:
