@@ -9,8 +9,10 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 # openssh-server: the multi-machine tests run real sshd in namespaces (its service is never started: see below);
-# vagrant: the suite runs `vagrant validate` on the Vagrantfile (no provider needed)
-APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod openssh-server vagrant
+# vagrant: the suite runs `vagrant validate` on the Vagrantfile (no provider needed);
+# clang, libbpf-dev, bpftool: the bpf engine's tc program is compiled on first use (testbed/engine/bpf/)
+APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod openssh-server vagrant \
+	clang libbpf-dev bpftool
 PYTEST_ARGS ?=
 
 .PHONY: deps system-deps python-deps vm-deps docker-engine image demo test test-all test-vm bench clean-testbed help

@@ -134,6 +134,25 @@ def _sweep(prefix: str, topology: str | None) -> list[str]:
     root = state_dir(topology) if topology else STATE_ROOT
     for mnt in _mounts_under(str(root) + "/"):
         subprocess.run(["umount", "-l", mnt], capture_output=True)
+    removed += _sweep_bpf_pins(root, everything=topology is None)
+    return removed
+
+
+def _sweep_bpf_pins(root: Path, everything: bool) -> list[str]:
+    """bpf engines' pinned programs and maps (bpffs, mirroring the state path: testbed/engine/bpf/pins.py). A
+    program's filter went with its namespace; unpinning frees what is left. `everything`: also pins whose
+    state directory no longer exists (a killed test's, another state root's stale ones)."""
+    from .engine.bpf import pins
+
+    removed = []
+    dirs = pins.engine_pin_dirs(pins.pins_under(root))
+    if everything:
+        dirs += [d for d in pins.orphan_pin_dirs() if d not in dirs]
+    for d in dirs:
+        if pins.remove_pins(d):
+            removed.append(f"bpf pins {d}")
+    if not everything:
+        pins.remove_pins(pins.pins_under(root))  # the (now empty) mirror of the state directory
     return removed
 
 
@@ -180,6 +199,12 @@ def _sweep_etc_netns(prefix: str) -> None:
             shutil.rmtree(f"/etc/netns/{n}", ignore_errors=True)
 
 
+def _bpf_pins(topology: str | None) -> list[str]:
+    from .engine.bpf import pins
+
+    return [str(d) for d in pins.engine_pin_dirs(pins.pins_under(state_dir(topology) if topology else STATE_ROOT))]
+
+
 def leftovers(topology: str | None = None) -> dict:
     """What of the testbed exists right now (used by tests and `down`): namespaces, per-namespace /etc files,
     engine processes, state directories, and each runtime's hosts under its `leftover_key`."""
@@ -193,6 +218,7 @@ def leftovers(topology: str | None = None) -> dict:
         "etc_netns": etc,
         "engines": orphan_engine_pids(topology),
         "state": [n for n in running_names() if topology in (None, n)],
+        "bpf_pins": _bpf_pins(topology),
     }
     for rt in all_runtimes():
         hosts = _quietly(lambda: rt.list(topology))

@@ -57,6 +57,26 @@ def _nfqueue(path: str) -> tuple[bool, str]:
     return True, f"iptables NFQUEUE works ({_iptables_version()})"
 
 
+def _bpf_engine(path: str) -> tuple[bool, str]:
+    from .engine.bpf import build
+    from .engine.bpf import engine as bpf_engine
+
+    missing = build.missing_tools()
+    if missing:
+        return False, (f"bpf engine unavailable: missing {', '.join(missing)} (apt-get install "
+                       f"{' '.join(sorted(set(missing.values())))}) -> links asking for engine: bpf are refused, "
+                       f"engine: auto uses nfqueue")
+    with NetNS(path) as n:
+        n.link("add", ifname="dbpf0", kind="veth", peer={"ifname": "dbpf1"})
+        for name in ("dbpf0", "dbpf1"):
+            n.link("set", index=n.link_lookup(ifname=name)[0], state="up")
+    try:
+        return True, bpf_engine.selftest(path, "dbpf0")
+    except Exception as e:
+        return False, (f"bpf engine unavailable: {e} -> links asking for engine: bpf are refused, engine: auto "
+                       f"uses nfqueue")
+
+
 def _iptables_version() -> str:
     r = subprocess.run(["iptables", "--version"], capture_output=True, text=True)
     return r.stdout.strip() or "iptables"
@@ -88,6 +108,7 @@ def run_checks() -> list[Check]:
                         "sch_netem is missing from this kernel: topologies asking for delay/jitter/loss are refused "
                         "with a message; rate limits and bit corruption still work", essential=False))
     checks.append(Check("nfqueue", *_probe_ns(_nfqueue)))
+    checks.append(Check("bpf", *_probe_ns(_bpf_engine), essential=False))
     for tool, why in (("nsenter", "running commands in hosts"), ("unshare", "per-host hostnames"),
                       ("ethtool", "offload settings"), ("iperf3", "throughput benchmarks"),
                       ("tcpdump", "captures for inspection")):

@@ -28,6 +28,7 @@ class LinkImpairment:
     element: str = "fp32"
     protect: tuple[str | int, ...] | None = None
     protected_ber: float = 0.0
+    engine: str = "nfqueue"  # nfqueue | bpf | auto (resolved when the engine starts: testbed/net.py)
 
     @property
     def corrupts(self) -> bool:
@@ -57,7 +58,8 @@ class LinkImpairment:
                 prot = f" protect {','.join(map(str, self.protect))}/{self.element}"
                 if self.protected_ber:
                     prot += f" at {self.protected_ber:g}"
-            parts.append(f"ber {self.ber:g}{extra} {self.scope}/{self.checksum}{coll}{prot} seed {self.seed}")
+            eng = f" engine {self.engine}" if self.engine != "nfqueue" else ""
+            parts.append(f"ber {self.ber:g}{extra} {self.scope}/{self.checksum}{coll}{prot} seed {self.seed}{eng}")
         return ", ".join(parts) or "-"
 
     def to_dict(self) -> dict:
@@ -67,7 +69,7 @@ class LinkImpairment:
             "checksum": self.checksum, "seed": self.seed,
             "collectives": list(self.collectives) if self.collectives else None,
             "element": self.element, "protect": list(self.protect) if self.protect else None,
-            "protected_ber": self.protected_ber,
+            "protected_ber": self.protected_ber, "engine": self.engine,
         }
 
 

@@ -99,6 +99,24 @@ class Testbed:
         if any(imp.corrupts for l in self.topo.links for *_, imp in l.directions()):
             if not link.tool_present("iptables"):
                 raise link.CapabilityMissing("bit corruption needs iptables (NFQUEUE target): apt-get install iptables")
+        asks_bpf = [(l.name, d) for l in self.topo.links for d, _, _, imp in l.directions()
+                    if imp.corrupts and imp.engine == "bpf"]
+        if asks_bpf:
+            from .engine.bpf.engine import available
+
+            ok, why = available()
+            if not ok:
+                where = ", ".join(f"{ln} ({d})" for ln, d in asks_bpf[:4])
+                raise link.CapabilityMissing(f"engine: bpf on {where}, but the bpf engine cannot run here: {why} "
+                                             f"(`testbed doctor` checks it; engine: auto falls back to nfqueue)")
+            for l in self.topo.links:
+                for d, snd, rcv, imp in l.directions():
+                    if imp.corrupts and imp.engine == "bpf" and imp.checksum == "keep" and not (
+                            self.is_local(snd.node) and self.is_local(rcv.node)):
+                        raise link.CapabilityMissing(
+                            f"engine: bpf with checksum: keep on {l.name} ({d}) needs both ends of the link on one "
+                            f"machine (it corrupts on the receiving end, after the sending end checksummed the "
+                            f"frames); use engine: nfqueue or auto there")
         if any(l.offloads for l in self.topo.links) and not link.tool_present("ethtool"):
             raise link.CapabilityMissing("offload settings need ethtool: apt-get install ethtool")
 
@@ -221,13 +239,16 @@ class Testbed:
         if self.capture:
             capture = {"dir": str(Path(self.capture["dir"]) / f"{l.name}.{direction.replace('->', '_to_')}"),
                        "max_bytes": int(self.capture.get("max_bytes", 10_000_000))}
+        peer_netns, peer_iface = self._engine_peer(l, direction, hook)
+        kind = self._engine_kind(imp, capture, peer_netns)
         spec = EngineSpec(
             topology=self.name, link=l.name, direction=direction, netns=netns, iface=iface, hook=hook,
             queue_num=queue_num, ber=imp.ber or 0.0, error_model=dict(imp.error_model), scope=imp.scope,
             checksum=imp.checksum, seed=imp.seed, collectives=list(imp.collectives) if imp.collectives else None,
             element=imp.element, protect=list(imp.protect) if imp.protect else None, protected_ber=imp.protected_ber,
             control_ports=list(self.topo.control_ports), control_socket=str(edir / f"e{idx}.sock"),
-            stats_file=str(edir / f"e{idx}.stats.json"), capture=capture,
+            stats_file=str(edir / f"e{idx}.stats.json"), capture=capture if kind == "nfqueue" else None,
+            engine=kind, peer_netns=peer_netns, peer_iface=peer_iface,
         )
         engines[key] = {"spec": spec.to_dict(), "pending": True}
         self.state.save()
@@ -242,6 +263,27 @@ class Testbed:
         engines[key] = {"spec": spec.to_dict(), "handle": handle.to_dict()}
         self.state.save()
         return handle
+
+    def _engine_peer(self, l: Link, direction: str, hook: str) -> tuple[str, str]:
+        """The link's other end from the engine's site (netns, iface), where it is on this machine ("" if not):
+        the bpf engine's checksum keep corrupts on the receiving end with the sending end's tx offload off."""
+        netns_of = self.state.data["netns_of"]
+        _, snd, rcv, _ = l.direction(direction)
+        other = rcv if hook == "egress" else snd
+        if not self.is_local(other.node) or other.node not in netns_of:
+            return "", ""
+        return netns_of[other.node], other.iface
+
+    def _engine_kind(self, imp: LinkImpairment, capture: dict | None, peer_netns: str) -> str:
+        """`engine` of a direction resolved: auto is bpf for scopes payload/all where the bpf engine runs (and,
+        for checksum keep, the link's other end is on this machine; no --capture), nfqueue otherwise."""
+        if imp.engine != "auto":
+            return imp.engine
+        if imp.scope not in ("payload", "all") or capture or (imp.checksum == "keep" and not peer_netns):
+            return "nfqueue"
+        from .engine.bpf.engine import available
+
+        return "bpf" if available()[0] else "nfqueue"
 
     def _stop_engine(self, key: str) -> dict:
         """Stop the engine of `key` ("link/direction") and forget it; its final counters."""
@@ -337,7 +379,7 @@ class Testbed:
     def status(self) -> dict:
         """What `testbed status` reports: phase, hosts (present or not), engines (alive: the same process
         that was started, by pid and start time) and whether all is healthy, with the problems found."""
-        from .engine.manager import engine_alive
+        from .engine.manager import handle_alive
 
         d = self.state.data
         hosts = {}
@@ -347,7 +389,7 @@ class Testbed:
         engines = []
         for key, rec in d.get("engines", {}).items():
             h = rec.get("handle") or {}
-            alive = not rec.get("pending") and engine_alive(h.get("pid"), h.get("start_time"))
+            alive = not rec.get("pending") and bool(h) and handle_alive(h)
             engines.append({"link": key.split("/")[0], "direction": key.split("/")[1], "pid": h.get("pid"),
                             "alive": alive})
         dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]

@@ -86,6 +86,9 @@ class ImpairmentSpec(_Strict):
     element: Literal[ELEMENT_TYPES] | None = None  # type: ignore[valid-type]
     protect: Annotated[list[ProtectItem] | None, BeforeValidator(_comma_list)] = None
     protected_ber: Ber = None
+    # which corruption engine: the NFQUEUE process (default), the in-kernel tc program (scopes payload and all),
+    # or auto (bpf for payload/all where it loads, nfqueue otherwise); docs/engine.md, "The bpf engine"
+    engine: Literal["bpf", "nfqueue", "auto"] | None = None
 
 
 class OffloadSpec(_Strict):

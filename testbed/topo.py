@@ -148,7 +148,7 @@ def _impairment(d: dict, seed: int) -> LinkImpairment:
         seed=d["seed"] if d.get("seed") is not None else seed,
         collectives=tuple(d["collectives"]) if d.get("collectives") else None,
         element=d.get("element") or "fp32", protect=tuple(d["protect"]) if d.get("protect") else None,
-        protected_ber=d.get("protected_ber") or 0.0,
+        protected_ber=d.get("protected_ber") or 0.0, engine=d.get("engine") or "nfqueue",
     )
 
 
@@ -277,6 +277,9 @@ def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
         problems.append((f"{p}.error_model", "an error model needs a 'ber'"))
     if imp.collectives and imp.scope != "tensor":
         problems.append((f"{p}.collectives", "collectives filters apply to scope: tensor only"))
+    if imp.engine == "bpf" and imp.scope == "tensor":
+        problems.append((f"{p}.engine", "engine bpf corrupts scopes payload and all; scope tensor needs engine "
+                                        "nfqueue (or auto)"))
     _check_protection(imp, p, problems)
 
 

@@ -104,7 +104,7 @@ def load_topology():
 
 
 # Modules whose every test creates namespaces, veths, iptables rules, engines or containers.
-PRIVILEGED_MODULES = {"test_bench", "test_docker_runtime", "test_engine", "test_engine_topology", "test_remote", "test_cluster",
+PRIVILEGED_MODULES = {"test_bench", "test_bpf_engine", "test_docker_runtime", "test_engine", "test_engine_topology", "test_remote", "test_cluster",
                       "test_experiments", "test_topology_net", "test_training_testbed", "test_vms"}
 # Fixtures that need root (the real gloo recordings are made in namespaces).
 PRIVILEGED_FIXTURES = {"gloo_captures"}

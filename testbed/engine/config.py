@@ -12,14 +12,23 @@ from .gloo import collective_codes
 from .models import validate_error_model
 from .protect import ELEMENTS, normalize_protect, protected_positions
 
-__all__ = ["EngineSpec", "SCOPES", "CHECKSUM_MODES", "HOOKS", "SETTABLE"]
+__all__ = ["EngineSpec", "EngineError", "SCOPES", "CHECKSUM_MODES", "HOOKS", "SETTABLE", "ENGINES", "BPF_SCOPES",
+           "BPF_MAX_PORTS"]
 
 SCOPES = ("payload", "all", "tensor")
+# Engine kinds: the NFQUEUE process (every scope) and the in-kernel tc program (docs/engine.md, "The bpf engine").
+ENGINES = ("nfqueue", "bpf")
+BPF_SCOPES = ("payload", "all")
+BPF_MAX_PORTS = 16
 CHECKSUM_MODES = ("fix", "keep")
 HOOKS = ("egress", "ingress")
 # Settings `{"cmd": "set", ...}` may change live.
 SETTABLE = ("ber", "error_model", "scope", "checksum", "seed", "collectives", "control_ports", "element", "protect",
             "protected_ber")
+
+
+class EngineError(RuntimeError):
+    """An engine could not be started, changed or reached (re-exported by testbed.engine.manager)."""
 
 
 @dataclass
@@ -46,6 +55,11 @@ class EngineSpec:
     capture: dict | None = None  # {"dir": PATH, "max_bytes": N}
     fail_open: bool = False  # NFQA_CFG_F_FAIL_OPEN: pass packets uncorrupted when the queue is full
     queue_maxlen: int = 4096
+    engine: str = "nfqueue"  # nfqueue (a process per direction) or bpf (a tc program, testbed/engine/bpf)
+    # The link's other end as seen from (netns, iface): the bpf engine's checksum keep corrupts on the receiving
+    # end's ingress, with the sending end's transmit checksum offload off (docs/engine.md, "The bpf engine").
+    peer_netns: str = ""
+    peer_iface: str = ""
 
     def __post_init__(self):
         if self.error_model is None:
@@ -91,7 +105,25 @@ class EngineSpec:
                 raise ValueError("collectives filters apply to scope 'tensor' only")
             collective_codes(self.collectives)  # unknown names: ValueError listing the known ones
         self._validate_protection()
+        self._validate_engine()
         return self
+
+    def _validate_engine(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine != "bpf":
+            return
+        if self.scope not in BPF_SCOPES:
+            raise ValueError(f"the bpf engine corrupts scopes {' and '.join(BPF_SCOPES)}; scope {self.scope!r} "
+                             f"needs engine nfqueue (the gloo stream tracker)")
+        if self.capture is not None:
+            raise ValueError("capture (before/after pcaps) needs engine nfqueue")
+        if len(self.control_ports) > BPF_MAX_PORTS:
+            raise ValueError(f"the bpf engine takes at most {BPF_MAX_PORTS} control ports, "
+                             f"got {len(self.control_ports)}")
+        if self.checksum == "keep" and not (self.peer_netns and self.peer_iface):
+            raise ValueError("the bpf engine's checksum keep needs the link's other end (peer_netns, peer_iface): "
+                             "it corrupts frames on the receiving end, after their checksums were completed")
 
     def _validate_protection(self) -> None:
         if self.element not in ELEMENTS:

@@ -1,9 +1,13 @@
-"""Start, query, change and stop engine processes (one per corrupted link direction).
+"""Start, query, change and stop engines (one per corrupted link direction).
 
 ``start_engine`` writes the config, starts ``python -m testbed.engine --config FILE`` in its own process
 group, waits for "READY" (the queue is bound), and only then adds the iptables NFQUEUE rule inside the
 namespace, without ``--queue-bypass``: from then on a dead engine means a dead link (fail closed), never a
 clean one. ``EngineHandle`` is plain data (``to_dict``/``from_dict``) so a later process can stop the engine.
+
+A spec with ``engine: "bpf"`` gets the in-kernel engine instead (testbed/engine/bpf: a tc program, no
+process; ``pid`` is 0 and ``handle.bpf`` says where it is pinned and attached): every function here
+dispatches on the spec's engine kind.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import nsutil, procs
-from .config import EngineSpec
+from .config import EngineError, EngineSpec
 from .control import request
 
 __all__ = [
@@ -34,14 +38,11 @@ __all__ = [
     "detach_engine",
     "attach_engine",
     "iptables_rule",
+    "handle_alive",
 ]
 
 _CHILDREN: dict[int, subprocess.Popen] = {}  # engines started by this process, until reaped
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the testbed package
-
-
-class EngineError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -51,19 +52,59 @@ class EngineHandle:
     start_time: int | None  # /proc/PID/stat starttime: tells our engine from a later process reusing the pid
     config_path: str
     log_path: str
-    rule: list[str] = field(default_factory=list)  # iptables arguments after -A / -D
+    rule: list[str] = field(default_factory=list)  # iptables arguments after -A / -D (bpf: the tc filter, for show)
     started_at: float = 0.0
+    bpf: dict | None = None  # engine bpf: pin directory, sidecar, attachment, offload changed (bpf/engine.py)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.engine
 
     def to_dict(self) -> dict:
-        return {"spec": self.spec.to_dict(), "pid": self.pid, "start_time": self.start_time,
-                "config_path": self.config_path, "log_path": self.log_path, "rule": list(self.rule),
-                "started_at": self.started_at}
+        d = {"spec": self.spec.to_dict(), "pid": self.pid, "start_time": self.start_time,
+             "config_path": self.config_path, "log_path": self.log_path, "rule": list(self.rule),
+             "started_at": self.started_at}
+        if self.bpf is not None:
+            d["bpf"] = dict(self.bpf)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineHandle":
         return cls(spec=EngineSpec.from_dict(d["spec"]), pid=int(d["pid"]), start_time=d.get("start_time"),
                    config_path=d["config_path"], log_path=d["log_path"], rule=list(d.get("rule") or []),
-                   started_at=float(d.get("started_at") or 0.0))
+                   started_at=float(d.get("started_at") or 0.0), bpf=d.get("bpf"))
+
+
+def _bpf():
+    from .bpf import engine as bpf_engine  # only for bpf engines: the NFQUEUE path needs none of it
+    return bpf_engine
+
+
+def _bpf_target(h) -> tuple[EngineSpec, dict] | None:
+    """(spec, bpf record) when `h` (a handle, a spec, or their dicts) is a bpf engine; else None."""
+    if isinstance(h, dict) and "spec" in h:
+        h = EngineHandle.from_dict(h)
+    elif isinstance(h, dict) and h.get("engine") == "bpf" and "netns" in h:
+        try:
+            h = EngineSpec.from_dict(h)
+        except (TypeError, ValueError):
+            return None
+    if isinstance(h, EngineHandle) and h.spec.engine == "bpf":
+        return h.spec, dict(h.bpf or {})
+    if isinstance(h, EngineSpec) and h.engine == "bpf":
+        return h, {}
+    return None
+
+
+def handle_alive(handle) -> bool:
+    """Whether the engine of `handle` (an EngineHandle or its dict) still corrupts its link: the same process
+    (nfqueue), or the program still attached with its maps (bpf)."""
+    t = _bpf_target(handle)
+    if t is not None:
+        return _bpf().alive(*t)
+    if isinstance(handle, dict):
+        return engine_alive(handle.get("pid"), handle.get("start_time"))
+    return engine_alive(handle.pid, handle.start_time)
 
 
 def iptables_rule(spec: EngineSpec) -> list[str]:
@@ -77,12 +118,17 @@ def iptables_rule(spec: EngineSpec) -> list[str]:
 
 def detach_engine(handle: EngineHandle) -> None:
     """Remove the engine's NFQUEUE rule: the link passes its traffic clean (unlike a dead engine, which drops
-    it) while the engine process keeps running. `attach_engine` undoes it."""
+    it) while the engine process keeps running. `attach_engine` undoes it. (bpf: the tc filter is removed, the
+    maps stay.)"""
+    if handle.spec.engine == "bpf":
+        return _bpf().detach_engine(handle.spec, handle.bpf or {})
     _iptables(handle.spec.netns, "-D", handle.rule)
 
 
 def attach_engine(handle: EngineHandle) -> None:
     """Add the engine's NFQUEUE rule back (after `detach_engine`): the link's packets go through it again."""
+    if handle.spec.engine == "bpf":
+        return _bpf().attach_engine(handle.spec, handle.bpf or {})
     _iptables(handle.spec.netns, "-A", handle.rule)
 
 
@@ -132,6 +178,12 @@ def start_engine(spec: EngineSpec, python: str = sys.executable, ready_timeout: 
                    control_socket=os.path.abspath(spec.control_socket)).validate()  # the engine runs in /
     if not os.path.exists(spec.netns):
         raise EngineError(f"network namespace {spec.netns} does not exist")
+    if spec.engine == "bpf":
+        rec = _bpf().start(spec)
+        return EngineHandle(spec=spec, pid=0, start_time=None, config_path=str(spec.config_path()),
+                            log_path=str(spec.log_path()), started_at=time.time(), bpf=rec,
+                            rule=["tc", "filter", rec["attach"]["hook"], "dev", rec["attach"]["iface"], "pref",
+                                  str(_bpf().PREF), "bpf", "tb_flip"])
     for p in (spec.stats_file, spec.control_socket):
         Path(p).parent.mkdir(parents=True, exist_ok=True)
     config_path = spec.config_path()
@@ -199,6 +251,8 @@ def stop_engine(handle: EngineHandle, timeout: float = 10.0) -> dict:
     """Detach the engine from the link (remove the rule while the namespace exists), stop it (SIGTERM, then
     SIGKILL after ``timeout``), and return its final counters (from the stats file, ``alive: false``)."""
     spec = handle.spec
+    if spec.engine == "bpf":
+        return _bpf().stop(spec, handle.bpf or {})
     if os.path.exists(spec.netns) and handle.rule:
         _iptables(spec.netns, "-D", handle.rule, check=False)  # already gone is fine
     if engine_alive(handle.pid, handle.start_time):
@@ -237,6 +291,9 @@ def engine_stats(handle_or_paths, timeout: float = 2.0) -> dict:
     """Live counters from the control socket (``alive: true``). If the engine does not answer: the last
     stats file (written every ~0.5 s) with ``alive: false`` and ``error`` saying why; with ``alive: true,
     responding: false`` instead when its process still runs (busy or stuck)."""
+    t = _bpf_target(handle_or_paths)
+    if t is not None:
+        return _bpf().stats(*t)
     sock, stats_file, pid, start_time = _paths(handle_or_paths)
     running = pid is not None and engine_alive(pid, start_time)
     if pid is None or running:
@@ -261,6 +318,9 @@ def set_engine(handle, timeout: float = 5.0, **settings) -> dict:
     """Change corruption settings live (ber, error_model, scope, checksum, seed, collectives, control_ports,
     element, protect, protected_ber; None values are ignored, `protect=[]` clears the protection). Returns the
     settings now in force; raises EngineError if refused."""
+    t = _bpf_target(handle)
+    if t is not None:
+        return _bpf().set_settings(*t, **settings)
     sock, _, pid, start_time = _paths(handle)
     if pid is not None and not engine_alive(pid, start_time):
         raise EngineError(f"engine pid {pid} is not running")
