@@ -48,6 +48,36 @@ _STDERR_TAIL = 2000
 # Errors.
 
 
+# A proxy command's relay: stdin/stdout (the SSH client's connection) to a TCP connection. Run inside a network
+# namespace (`nsenter --net=NS python relay.py HOST PORT`) it reaches machines that live behind it: the test
+# machines of tests/sshmachines.py and the qemu VMs of testbed/vm.py (no netcat or socat needed).
+RELAY = r'''import os, select, socket, sys
+host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
+try:
+    s = socket.create_connection((host, port), timeout=timeout)
+except OSError as e:
+    sys.stderr.write(f"connect to {host}:{port}: {e}\n")
+    sys.exit(1)
+s.settimeout(None)
+up = True
+while True:
+    r = select.select([0, s] if up else [s], [], [])[0]
+    if up and 0 in r:
+        d = os.read(0, 65536)
+        if d:
+            s.sendall(d)
+        else:
+            up = False
+            s.shutdown(socket.SHUT_WR)
+    if s in r:
+        d = s.recv(65536)
+        if not d:
+            break
+        while d:
+            d = d[os.write(1, d):]
+'''
+
+
 class RemoteError(RuntimeError):
     """Something failed on (or on the way to) a machine. `machine`: its name; `address`: `ADDR:PORT`;
     `kind`: see the module docstring; `detail`: the message without the machine; `errors`: every error when

@@ -65,6 +65,7 @@ from typing import Callable, Iterator, Sequence
 
 from . import nsutil, procs
 from .inventory import Inventory, Machine, parse_inventory
+from .remote import RELAY
 
 # ----------------------------------------------------------------------------------------------------------
 # The recipe.
@@ -85,14 +86,10 @@ BASE_PACKAGES = (
 KERNEL_PACKAGES = ("linux-image-amd64", "zstd")
 SERVER_PACKAGES = ("openssh-server",)
 
-GUEST_SSHD_CONFIG = """# testbed VM: made by testbed/vm.py (host key and authorized key come with each boot)
-Port 22
-AddressFamily inet
-ListenAddress 0.0.0.0
-HostKey /etc/ssh/ssh_host_ed25519_key
-PidFile /run/sshd.pid
-AuthorizedKeysFile /root/.ssh/authorized_keys
-PermitRootLogin prohibit-password
+# What every sshd the testbed starts for itself allows (the VMs here, the test machines of tests/sshmachines.py):
+# root by key only, no PAM, no DNS lookups, many sessions at once (one SSH connection carries a command's
+# parallel channels).
+SSHD_COMMON = """PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 PasswordAuthentication no
 KbdInteractiveAuthentication no
@@ -105,8 +102,17 @@ MaxSessions 64
 MaxStartups 64:30:128
 LogLevel INFO
 Subsystem sftp internal-sftp
-SetEnv PYTHONDONTWRITEBYTECODE=1 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 """
+
+GUEST_SSHD_CONFIG = """# testbed VM: made by testbed/vm.py (host key and authorized key come with each boot)
+Port 22
+AddressFamily inet
+ListenAddress 0.0.0.0
+HostKey /etc/ssh/ssh_host_ed25519_key
+PidFile /run/sshd.pid
+AuthorizedKeysFile /root/.ssh/authorized_keys
+{common}SetEnv PYTHONDONTWRITEBYTECODE=1 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+""".replace("{common}", SSHD_COMMON)
 
 # PID 1 of the guest (then tini, which reaps every orphan, with sshd under it). The VM's settings come from its
 # configuration share (tag tbvmcfg): vm.env (NAME, ADDRESS, GATEWAY), shares (TAG PATH lines), keys.
@@ -156,33 +162,7 @@ echo "TESTBED-VM-READY $NAME"
 exec tini -- /usr/sbin/sshd -D -e -f /etc/testbed/sshd_config
 """
 
-# How the controller reaches a VM: stdin/stdout (the SSH client's connection) relayed to TCP, run inside the
-# VMs' namespace by the proxy command (the same relay as tests/sshmachines.py's).
-RELAY = r'''import os, select, socket, sys
-host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
-try:
-    s = socket.create_connection((host, port), timeout=timeout)
-except OSError as e:
-    sys.stderr.write(f"connect to {host}:{port}: {e}\n")
-    sys.exit(1)
-s.settimeout(None)
-up = True
-while True:
-    r = select.select([0, s] if up else [s], [], [])[0]
-    if up and 0 in r:
-        d = os.read(0, 65536)
-        if d:
-            s.sendall(d)
-        else:
-            up = False
-            s.shutdown(socket.SHUT_WR)
-    if s in r:
-        d = s.recv(65536)
-        if not d:
-            break
-        while d:
-            d = d[os.write(1, d):]
-'''
+# How the controller reaches a VM: the proxy command runs remote.RELAY inside the VMs' namespace.
 
 NETNS_DIR = Path("/run/netns")
 SUBNET_PREFIX = "192.0.2."

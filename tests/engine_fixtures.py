@@ -7,6 +7,7 @@ Namespaces are named ``tbE-<hex>-a`` / ``tbE-<hex>-b`` (the engine tests' own pr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pyroute2 import NetNS, netns
+from scipy import stats
 
 from testbed import procs
 from testbed.engine.manager import EngineSpec, engine_alive, start_engine, stop_engine
@@ -25,6 +27,41 @@ PREFIX = "tbE"
 ADDR = {"a": "10.99.0.1", "b": "10.99.0.2"}
 IFACE = "veth0"
 PYTHON = sys.executable
+
+# Every statistical check of an engine is a 99.9 % binomial interval (the engines' tests share these).
+ALPHA = 0.001
+MB = 1_000_000
+
+
+def binomial_interval(n: int, p: float) -> tuple[int, int]:
+    return int(stats.binom.ppf(ALPHA / 2, n, p)), int(stats.binom.isf(ALPHA / 2, n, p))
+
+
+def stop_elsewhere(handle) -> dict:
+    """Stop an engine from another process that knows only its handle's JSON (a handle is plain data); its final
+    counters."""
+    code = ("import json,sys; from testbed.engine.manager import EngineHandle, stop_engine; "
+            "print(json.dumps(stop_engine(EngineHandle.from_dict(json.loads(sys.stdin.read())))))")
+    r = subprocess.run([PYTHON, "-c", code], input=json.dumps(handle.to_dict()), capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def assert_two_epochs(final: dict, n1: int, n2: int, received: dict) -> None:
+    """A run whose BER went from 1e-5 (n1 bytes) to 1e-3 (n2 bytes) live: each epoch counted exactly its bytes and
+    flipped within its interval, and the receiver counted every flip."""
+    e1, e2 = final["epochs"]
+    assert (e1["ber"], e2["ber"]) == (1e-5, 1e-3)
+    assert e1["bits_seen"] == n1 * 8 and e2["bits_seen"] == n2 * 8
+    assert_ber(e1["bits_flipped"], e1["bits_seen"], 1e-5)
+    assert_ber(e2["bits_flipped"], e2["bits_seen"], 1e-3)
+    assert received["bit_errors"] == final["bits_flipped"] == e1["bits_flipped"] + e2["bits_flipped"]
+
+
+def assert_ber(flips: int, bits: int, ber: float) -> None:
+    lo, hi = binomial_interval(bits, ber)
+    assert lo <= flips <= hi, f"{flips} flips in {bits} bits: outside the 99.9% interval [{lo}, {hi}] of BER {ber}"
 
 
 class VethLink:

@@ -44,6 +44,8 @@ from typing import Iterator
 
 from testbed import nsutil
 from testbed.inventory import Inventory, Machine, parse_inventory
+from testbed.remote import RELAY
+from testbed.vm import SSHD_COMMON
 
 SSHD = "/usr/sbin/sshd"
 NETNS_DIR = Path("/run/netns")
@@ -53,33 +55,6 @@ UNDERLAY_ADDRESS = "192.0.2.1"
 UNDERLAY_IFACE = "ul0"
 START_TIMEOUT_S = 15.0
 _counter = itertools.count()
-
-# Relays stdin/stdout (the SSH client's connection) to a TCP connection; the proxy command runs it.
-RELAY = r'''import os, select, socket, sys
-host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
-try:
-    s = socket.create_connection((host, port), timeout=timeout)
-except OSError as e:
-    sys.stderr.write(f"connect to {host}:{port}: {e}\n")
-    sys.exit(1)
-s.settimeout(None)
-up = True
-while True:
-    r = select.select([0, s] if up else [s], [], [])[0]
-    if up and 0 in r:
-        d = os.read(0, 65536)
-        if d:
-            s.sendall(d)
-        else:
-            up = False
-            s.shutdown(socket.SHUT_WR)
-    if s in r:
-        d = s.recv(65536)
-        if not d:
-            break
-        while d:
-            d = d[os.write(1, d):]
-'''
 
 
 @dataclass(frozen=True)
@@ -281,20 +256,7 @@ AddressFamily inet
 HostKey {mdir / 'host_ed25519'}
 PidFile {mdir / 'sshd.pid'}
 AuthorizedKeysFile {authorized_keys}
-PermitRootLogin prohibit-password
-PubkeyAuthentication yes
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-UseDNS no
-PrintMotd no
-PrintLastLog no
-MaxSessions 64
-MaxStartups 64:30:128
-LogLevel INFO
-Subsystem sftp internal-sftp
-SetEnv TESTBED_STATE_DIR={state} TESTBED_HISTORY_DIR={mdir / 'history'} TESTBED_PREFIX={prefix} TMPDIR={mdir / 'tmp'} PATH={path}
+{SSHD_COMMON}SetEnv TESTBED_STATE_DIR={state} TESTBED_HISTORY_DIR={mdir / 'history'} TESTBED_PREFIX={prefix} TMPDIR={mdir / 'tmp'} PATH={path}
 """
 
 

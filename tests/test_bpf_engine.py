@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import leftovers, tb_cli, unique_name
-from engine_fixtures import PYTHON, read_json_line, transfer, veth_link
+from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_two_epochs, read_json_line, stop_elsewhere,
+                             transfer, veth_link)
 from scipy import stats
 
 from testbed.engine.bpf import maps, pins
@@ -33,17 +34,6 @@ from testbed.engine.manager import (
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, tc, bpf)")
 
-ALPHA = 0.001
-MB = 1_000_000
-
-
-def binomial_interval(n: int, p: float) -> tuple[int, int]:
-    return int(stats.binom.ppf(ALPHA / 2, n, p)), int(stats.binom.isf(ALPHA / 2, n, p))
-
-
-def assert_ber(flips: int, bits: int, ber: float) -> None:
-    lo, hi = binomial_interval(bits, ber)
-    assert lo <= flips <= hi, f"{flips} flips in {bits} bits: outside the 99.9% interval [{lo}, {hi}] of BER {ber}"
 
 
 def _bpf_available() -> tuple[bool, str]:
@@ -435,20 +425,11 @@ def test_live_set_of_ber_and_a_later_process_stops_the_engine(link):
     rres = read_json_line(rx, "result")["result"]
     read_json_line(tx, "result")
 
-    code = ("import json,sys; from testbed.engine.manager import EngineHandle, stop_engine; "
-            "print(json.dumps(stop_engine(EngineHandle.from_dict(json.loads(sys.stdin.read())))))")
-    r = subprocess.run([PYTHON, "-c", code], input=json.dumps(h.to_dict()), capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, r.stderr
-    final = json.loads(r.stdout)
+    final = stop_elsewhere(h)
     assert final["alive"] is False and not handle_alive(h) and engine_stats(h)["alive"] is False
     assert not Path(h.bpf["pin_dir"]).exists()
     assert "clsact" not in link.run("a", ["tc", "qdisc", "show", "dev", link.iface]).stdout
-    e1, e2 = final["epochs"]
-    assert (e1["ber"], e2["ber"]) == (1e-5, 1e-3)
-    assert e1["bits_seen"] == n1 * 8 and e2["bits_seen"] == n2 * 8
-    assert_ber(e1["bits_flipped"], e1["bits_seen"], 1e-5)
-    assert_ber(e2["bits_flipped"], e2["bits_seen"], 1e-3)
-    assert rres["bit_errors"] == final["bits_flipped"] == e1["bits_flipped"] + e2["bits_flipped"]
+    assert_two_epochs(final, n1, n2, rres)
 
 
 @pytest.mark.timeout(90)

@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 import pytest
-from engine_fixtures import PYTHON, read_json_line, transfer, veth_link
+from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_two_epochs, read_json_line, stop_elsewhere,
+                             transfer, veth_link)
 from scipy import stats
 
 from testbed.engine.manager import (
@@ -30,17 +31,6 @@ from testbed.engine.packet import parse_ipv4
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, iptables)")
 
-ALPHA = 0.001
-MB = 1_000_000
-
-
-def binomial_interval(n: int, p: float) -> tuple[int, int]:
-    return int(stats.binom.ppf(ALPHA / 2, n, p)), int(stats.binom.isf(ALPHA / 2, n, p))
-
-
-def assert_ber(flips: int, bits: int, ber: float) -> None:
-    lo, hi = binomial_interval(bits, ber)
-    assert lo <= flips <= hi, f"{flips} flips in {bits} bits: outside the 99.9% interval [{lo}, {hi}] of BER {ber}"
 
 
 @pytest.fixture
@@ -149,22 +139,11 @@ def test_set_changes_ber_mid_transfer_and_a_later_process_stops_the_engine(link)
     read_json_line(tx, "result")
 
     # the handle is plain data: another process stops the engine from its JSON
-    code = ("import json,sys; from testbed.engine.manager import EngineHandle, stop_engine; "
-            "print(json.dumps(stop_engine(EngineHandle.from_dict(json.loads(sys.stdin.read())))))")
-    r = subprocess.run([PYTHON, "-c", code], input=json.dumps(h.to_dict()), capture_output=True, text=True,
-                       timeout=30)
-    assert r.returncode == 0, r.stderr
-    final = json.loads(r.stdout)
+    final = stop_elsewhere(h)
     assert final["alive"] is False and not engine_alive(h.pid, h.start_time)
     assert engine_stats(h)["alive"] is False
     assert link.run("a", ["iptables", "-t", "mangle", "-S", "POSTROUTING"]).stdout.count("NFQUEUE") == 0
-
-    e1, e2 = final["epochs"]
-    assert (e1["ber"], e2["ber"]) == (1e-5, 1e-3)
-    assert e1["bits_seen"] == n1 * 8 and e2["bits_seen"] == n2 * 8
-    assert_ber(e1["bits_flipped"], e1["bits_seen"], 1e-5)
-    assert_ber(e2["bits_flipped"], e2["bits_seen"], 1e-3)
-    assert rres["bit_errors"] == final["bits_flipped"] == e1["bits_flipped"] + e2["bits_flipped"]
+    assert_two_epochs(final, n1, n2, rres)
 
 
 # -- fail closed -------------------------------------------------------------------------------------------------
