@@ -88,6 +88,7 @@ def up(topo: Topology, inventory, runtime: str | None = None, vxlan_port: int = 
     claim(topo.name)
     st = State.new(topo.name, file=topo.file, runtime=runtime or topo.runtime, topology=topo.raw, cluster=record)
     remotes: dict = {}
+    started: list[str] = []  # machines asked to build their part
     try:
         remotes = connect_all(inventory, used)
         _raise_first(_parallel(lambda m: remotes[m].check(), used), "checking the machines")
@@ -101,6 +102,7 @@ def up(topo: Topology, inventory, runtime: str | None = None, vxlan_port: int = 
         st.update(cluster=record)
 
         def part_up(m):
+            started.append(m)
             spec = {**specs[m], "topology": topo.raw, "file": topo.file, "runtime": runtime or topo.runtime}
             path = f"/tmp/testbed-part-{topo.name}-{m}.json"
             remotes[m].put_text(path, json.dumps(spec))
@@ -109,20 +111,29 @@ def up(topo: Topology, inventory, runtime: str | None = None, vxlan_port: int = 
         _raise_first(_parallel(part_up, used), f"bringing {topo.name} up")
         st.update(phase="up")
         return record
-    except BaseException:
-        _down_parts(topo.name, record, remotes, log=lambda _m: None)
-        shutil.rmtree(state_dir(topo.name), ignore_errors=True)
+    except BaseException as e:
+        # the parts begun so far go again; if one cannot be removed, the controller's record stays, so that
+        # `testbed down NAME` can finish the job
+        leftover = _down_parts(topo.name, record, remotes, log=lambda _m: None, only=started) if started else []
+        if leftover:
+            e.add_note(f"not removed: {'; '.join(leftover)}: run `testbed down {topo.name}`")
+        else:
+            shutil.rmtree(state_dir(topo.name), ignore_errors=True)
         raise
     finally:
         for r in remotes.values():
             r.close()
 
 
-def _down_parts(name: str, record: dict, remotes: dict | None = None, log: Callable[[str], None] = print) -> list[str]:
-    """`testbed down NAME` on every machine of `record` (connecting where `remotes` lacks one); the errors."""
+def _down_parts(name: str, record: dict, remotes: dict | None = None, log: Callable[[str], None] = print,
+                only: list[str] | None = None) -> list[str]:
+    """`testbed down NAME` on every machine of `record` (of `only`, if given), connecting where `remotes` lacks
+    one; the errors."""
     from .remote import Remote
 
     machines = _machines_of(record)
+    if only is not None:
+        machines = {m: machines[m] for m in only}
     remotes = dict(remotes or {})
     opened = []
 
