@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +47,22 @@ def stop_elsewhere(handle) -> dict:
                        timeout=30)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
+
+
+def paused_transfer(link, handle, n1: int, n2: int):
+    """A seeded transfer of n1 + n2 bytes over `link` (port 5003) whose sender pauses after n1 bytes, once the
+    engine of `handle` has seen all of them: (receiver, sender); write "go\\n" to the sender's stdin to go on."""
+    from testbed.engine.manager import engine_stats
+
+    rx = link.probe("b", "recv", "--port", 5003, "--bytes", n1 + n2, "--seed", 14)
+    read_json_line(rx, "listening")
+    tx = link.probe("a", "send", "--host", link.addr["b"], "--port", 5003, "--bytes", n1 + n2, "--seed", 14,
+                    "--pause-at", n1, "--sport", 42003, stdin=subprocess.PIPE)
+    read_json_line(tx, "paused")
+    deadline = time.monotonic() + 20
+    while engine_stats(handle)["bits_seen"] < n1 * 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rx, tx
 
 
 def assert_two_epochs(final: dict, n1: int, n2: int, received: dict) -> None:

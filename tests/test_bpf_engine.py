@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import leftovers, tb_cli, unique_name
-from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_two_epochs, read_json_line, stop_elsewhere,
-                             transfer, veth_link)
+from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_two_epochs, paused_transfer, read_json_line,
+                             stop_elsewhere, transfer, veth_link)
 from scipy import stats
 
 from testbed.engine.bpf import maps, pins
@@ -401,14 +401,7 @@ def test_same_seed_same_packets_same_flips(link):
 def test_live_set_of_ber_and_a_later_process_stops_the_engine(link):
     n1, n2 = 20 * MB, 5 * MB
     h = bpf(link, ber=1e-5, seed=4)
-    rx = link.probe("b", "recv", "--port", 5003, "--bytes", n1 + n2, "--seed", 14)
-    read_json_line(rx, "listening")
-    tx = link.probe("a", "send", "--host", link.addr["b"], "--port", 5003, "--bytes", n1 + n2, "--seed", 14,
-                    "--pause-at", n1, "--sport", 42003, stdin=subprocess.PIPE)
-    read_json_line(tx, "paused")
-    deadline = time.monotonic() + 20
-    while engine_stats(h)["bits_seen"] < n1 * 8 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    rx, tx = paused_transfer(link, h, n1, n2)
     # from another process, through the map (like `testbed link set`)
     code = ("import json,sys; from testbed.engine.manager import EngineHandle, set_engine; "
             "print(json.dumps(set_engine(EngineHandle.from_dict(json.loads(sys.stdin.read())), ber=1e-3)))")

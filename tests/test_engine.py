@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 import pytest
-from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_two_epochs, read_json_line, stop_elsewhere,
-                             transfer, veth_link)
+from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_two_epochs, paused_transfer, read_json_line,
+                             stop_elsewhere, transfer, veth_link)
 from scipy import stats
 
 from testbed.engine.manager import (
@@ -124,14 +124,7 @@ def test_keep_mode_receiver_drops_what_the_engine_corrupted(link):
 def test_set_changes_ber_mid_transfer_and_a_later_process_stops_the_engine(link):
     n1, n2 = 20 * MB, 5 * MB
     h = link.start_engine(ber=1e-5, seed=4)
-    rx = link.probe("b", "recv", "--port", 5003, "--bytes", n1 + n2, "--seed", 14)
-    read_json_line(rx, "listening")
-    tx = link.probe("a", "send", "--host", link.addr["b"], "--port", 5003, "--bytes", n1 + n2, "--seed", 14,
-                    "--pause-at", n1, "--sport", 42003, stdin=subprocess.PIPE)
-    read_json_line(tx, "paused")
-    deadline = time.monotonic() + 20
-    while engine_stats(h)["bits_seen"] < n1 * 8 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    rx, tx = paused_transfer(link, h, n1, n2)
     assert set_engine(h, ber=1e-3)["ber"] == 1e-3
     tx.stdin.write("go\n")
     tx.stdin.flush()
