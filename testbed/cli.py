@@ -312,6 +312,29 @@ def cmd_part_up(args) -> int:
     return 0
 
 
+def cmd_part_link(args) -> int:
+    """Engine operations on this machine's part of a cross-machine topology, for benchmarks the controller runs
+    (testbed/cluster.py ClusterTestbed): set (settings as JSON), detach, attach, restore (saved settings as JSON)."""
+    from .net import Testbed
+
+    tb = Testbed.attach(args.topo)
+    payload = json.loads(args.settings) if args.settings else {}
+    if args.op == "set":
+        tb.set_link(args.link, **payload)
+    elif args.op in ("detach", "attach"):
+        from .engine.manager import attach_engine, detach_engine
+
+        for h in tb.engine_handles([args.link]).values():
+            if h.rule:
+                (detach_engine if args.op == "detach" else attach_engine)(h)
+    elif args.op == "restore":
+        failed: list[str] = []
+        tb._restore_engines([args.link], payload, failed.append)
+        if failed:
+            raise CliError("; ".join(failed))
+    return 0
+
+
 def cmd_machine_info(args) -> int:
     """How tunnels reach this machine: the underlay interface, its address and MTU (for the controller)."""
     from pyroute2 import IPRoute
@@ -460,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("part-up")
     s.add_argument("spec")
     s.set_defaults(fn=cmd_part_up)
+    s = sub.add_parser("part-link")
+    s.add_argument("topo")
+    s.add_argument("op", choices=["set", "detach", "attach", "restore"])
+    s.add_argument("link")
+    s.add_argument("settings", nargs="?")
+    s.set_defaults(fn=cmd_part_link)
     s = sub.add_parser("machine-info")
     s.add_argument("--iface")
     s.add_argument("--peer", action="append")

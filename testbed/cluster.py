@@ -16,6 +16,8 @@ import json
 import shlex
 import shutil
 import threading
+import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Callable
 
@@ -239,11 +241,14 @@ def status(name: str) -> dict:
     return out
 
 
-def stats(name: str) -> list[dict]:
+def stats(name: str, tb: "ClusterTestbed | None" = None) -> list[dict]:
+    """Every machine's engine counters (`testbed stats --json` there), each with its machine; over `tb`'s
+    open connections if given."""
     record = cluster_of(name)
     machines = list(record["machines"])
-    results = _parallel(lambda m: on_machine(name, m, ["stats", "--topo", name, "--json"], check=False, timeout=60),
-                        machines)
+    args = ["stats", "--topo", name, "--json"]
+    results = _parallel(lambda m: tb._on(m, args, check=False, timeout=60) if tb is not None
+                        else on_machine(name, m, args, check=False, timeout=60), machines)
     out = []
     for m, r in zip(machines, results):
         if isinstance(r, BaseException):
@@ -294,12 +299,127 @@ class ClusterTestbed:
         self.name, self.record = name, record
         self.topo = Topology.from_dict(data["topology"], file=data.get("file"))
         self.runtime_name = data.get("runtime") or self.topo.runtime
+        self.runtime = _RemoteRuntime()
+        self._remotes: dict = {}  # machine -> Remote, opened on first use, closed by close()
+        self._lock = threading.Lock()
 
     def __enter__(self) -> "ClusterTestbed":
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for r in self._remotes.values():
+                r.close()
+            self._remotes.clear()
+
+    @property
+    def is_up(self) -> bool:
+        return cluster_of(self.name) is not None
+
+    def remote(self, machine: str):
+        """The connection to `machine`, kept open until close() (one per machine for the whole command)."""
+        from .remote import Remote
+
+        with self._lock:
+            r = self._remotes.get(machine)
+            if r is None or r.closed:
+                r = self._remotes[machine] = Remote.connect(_machines_of(self.record)[machine])
+            return r
+
+    def _on(self, machine: str, args: list[str], **kw):
+        return self.remote(machine).testbed(args, **kw)
+
+    # -- what the benchmarks need of a Testbed (testbed/experiments/bench.py), across machines ------------------
+
+    def _host_argv(self, node: str, argv: list[str], env: dict | None) -> tuple:
+        """The command line that runs argv in `node` on its machine (argv[0] == runtime.python: that
+        machine's testbed Python)."""
+        r = self.remote(self.machine_of(node))
+        argv = list(argv)
+        if argv and argv[0] == self.runtime.python:
+            argv[0] = python_of(r.machine)
+        kv = [f"{k}={v}" for k, v in (env or {}).items()]
+        return r, [*r.machine.testbed_argv, "exec", "--topo", self.name, node, "--", *(["env", *kv] if kv else []),
+                   *argv]
+
+    def run(self, node: str, argv: list[str], env: dict | None = None, check: bool = False,
+            timeout: float | None = None, input: str | None = None, text: bool = True):
+        """Run to completion inside `node` on its machine; a CompletedProcess."""
+        import subprocess
+
+        r, cmd = self._host_argv(node, argv, env)
+        res = r.run(cmd, check=False, timeout=timeout, input=input)
+        out = subprocess.CompletedProcess(argv, res.returncode, res.stdout, res.stderr)
+        if check:
+            out.check_returncode()
+        return out
+
+    def popen(self, node: str, argv: list[str], env: dict | None = None, stdout=None, **_kw) -> "RemotePopen":
+        """Start argv inside `node` on its machine; a process object as the benchmarks use one (poll, wait, kill,
+        communicate; read_json_line for its output). `stdout` a file: the output is copied into it at the end."""
+        r, cmd = self._host_argv(node, argv, env)
+        return RemotePopen(r.start(cmd), getattr(stdout, "name", None))
+
+    def read_file(self, node: str, path: str) -> str:
+        """A file that a process in `node` wrote (on its machine)."""
+        return self.remote(self.machine_of(node)).get_text(path)
+
+    def make_dir(self, nodes: list[str], path: str) -> None:
+        for m in sorted({self.machine_of(n) for n in nodes}):
+            self.remote(m).makedirs(path)
+
+    def remove_dir(self, nodes: list[str], path: str) -> None:
+        for m in sorted({self.machine_of(n) for n in nodes}):
+            self.remote(m).run(["rm", "-rf", path], check=False, timeout=60)
+
+    def _engine_machines(self, link_name: str) -> list[str]:
+        l = self.topo.link(link_name)
+        return sorted({self.machine_of(engine_node(self.topo, l, d)) for d, *_ in l.directions()})
+
+    def _part_link(self, op: str, link_name: str, payload=None) -> None:
+        args = ["part-link", self.name, op, link_name] + ([json.dumps(payload)] if payload is not None else [])
+        errors = [e for e in _parallel(lambda m: self._on(m, args, timeout=120), self._engine_machines(link_name))
+                  if isinstance(e, BaseException)]
+        if errors:
+            raise RuntimeError(f"{op} on link {link_name}: " + "; ".join(str(e) for e in errors))
+
+    def set_link(self, link_name: str, direction: str | None = None, **settings) -> list[str]:
+        """As Testbed.set_link (both directions), on the machines that run the link's engines."""
+        if direction is not None:
+            raise ValueError("across machines, benchmarks change both directions of a link")
+        self._part_link("set", link_name, settings)
+        return [f"{link_name}/{d}" for d, *_ in self.topo.link(link_name).directions()]
+
+    @contextmanager
+    def detached(self, link_name: str):
+        """As Testbed.detached: the link's engines see no traffic inside."""
+        self._part_link("detach", link_name)
+        try:
+            yield self
+        finally:
+            self._part_link("attach", link_name)
+
+    @contextmanager
+    def links_restored(self, links=None, warn=None):
+        """As Testbed.links_restored: the engines of `links` get their settings back on leaving, and engines
+        started inside are stopped (each machine restores its own)."""
+        from .net import RESTORED_SETTINGS
+
+        links = [l.name for l in self.topo.links] if links is None else [self.topo.link(n).name for n in links]
+        saved = {k: {f: s.get(f) for f in RESTORED_SETTINGS} for k, s in self.counters(links).items()}
+        try:
+            yield self
+        finally:
+            for name in links:
+                try:
+                    self._part_link("restore", name, {k: v for k, v in saved.items() if k.split("/")[0] == name})
+                except Exception as e:
+                    if warn is None:
+                        raise
+                    warn(f"could not restore the engines of {name}: {e}")
 
     def mgmt_address(self, node: str) -> str:
         return str(self.topo.plan.mgmt[node].ip)
@@ -309,7 +429,7 @@ class ClusterTestbed:
 
     def counters(self, links=None) -> dict[str, dict]:
         wanted = None if links is None else set(links)
-        return {f"{s['link']}/{s['direction']}": s for s in stats(self.name)
+        return {f"{s['link']}/{s['direction']}": s for s in stats(self.name, self)
                 if wanted is None or s["link"] in wanted}
 
     def counters_since(self, before: dict, links=None, fields=None) -> dict[str, dict]:
@@ -435,3 +555,81 @@ class _RemoteWorker:
 
     def kill(self):
         self.proc.kill(9)
+
+
+class _RemoteRuntime:
+    """What benchmarks ask of a runtime: `python` (replaced by each machine's testbed Python when a command is
+    started there) and `shared_dir()` (None: the machines share no directory with the controller)."""
+
+    python = "python3"
+
+    @staticmethod
+    def shared_dir():
+        return None
+
+
+class RemotePopen:
+    """A process started in a host on another machine (Remote.start), as the benchmarks use a Popen: poll(),
+    wait(timeout), kill(), communicate(timeout), and read_json_line(key, timeout) reading its output (its log
+    there). `copy_to`: a local file that gets the output when it has ended."""
+
+    def __init__(self, proc, copy_to: str | None = None):
+        self.proc, self.copy_to = proc, copy_to
+        self.pid = proc.pid
+        self.returncode = None
+        self._copied = False
+
+    def _output(self) -> str:
+        try:
+            return self.proc.remote.get_text(self.proc.log_path)
+        except Exception:  # noqa: BLE001 (gone with its machine: no output to show)
+            return ""
+
+    def _finish(self, rc):
+        if rc is not None and self.returncode is None:
+            self.returncode = rc
+            if self.copy_to and not self._copied:
+                self._copied = True
+                with open(self.copy_to, "w") as f:
+                    f.write(self._output())
+        return self.returncode
+
+    def poll(self):
+        return self.returncode if self.returncode is not None else self._finish(self.proc.poll())
+
+    def wait(self, timeout=None):
+        import subprocess
+
+        from .remote import RemoteTimeoutError
+
+        try:
+            return self._finish(self.proc.wait(timeout))
+        except RemoteTimeoutError:
+            raise subprocess.TimeoutExpired(self.proc.command, timeout) from None
+
+    def kill(self):
+        self.proc.kill(9)
+        self._finish(self.proc.poll())
+
+    def communicate(self, input=None, timeout=None):
+        self.wait(timeout)
+        return self._output(), ""
+
+    def read_json_line(self, key: str, timeout: float = 30) -> dict:
+        """The first JSON line of its output with `key` (polled); RuntimeError if it ended without one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self._output().splitlines():
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict) and key in obj:
+                    return obj
+            if self.poll() is not None:
+                raise RuntimeError(f"pid {self.pid} on {self.proc.remote.machine.name} ended without a {key!r} "
+                                   f"line; output:\n{self._output().strip()[-1500:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {key!r} line from pid {self.pid} on {self.proc.remote.machine.name} "
+                                   f"within {timeout:.0f} s")
+            time.sleep(0.05)

@@ -46,6 +46,8 @@ def read_json_line(proc, key: str, timeout: float = 30) -> dict:
     """Read a probe's stdout lines until a JSON object with `key`; raise (with its stderr) on EOF or timeout."""
     import select
 
+    if hasattr(proc, "read_json_line"):  # a process on another machine (testbed.cluster.RemotePopen)
+        return proc.read_json_line(key, timeout)
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()

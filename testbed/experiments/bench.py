@@ -152,16 +152,37 @@ def _snmp_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, in
 
 @contextmanager
 def _open(target: "Testbed | Topology | str", *, runtime: str | None, name: str | None, out: Path | None,
-          links: set[str], prepare: Callable[[Topology], Topology] | None = None, log: Log) -> Iterator[Testbed]:
+          links: set[str], prepare: Callable[[Topology], Topology] | None = None, log: Log,
+          machines=None) -> Iterator[Testbed]:
     """A running Testbed for `target`: a Topology is brought up (after `prepare`) and down after; a Testbed or
-    the name of a topology that is up is used as it is and its `links`' engines are put back afterwards."""
+    the name of a topology that is up is used as it is and its `links`' engines are put back afterwards.
+    With `machines` (an inventory) a Topology is placed across those machines (testbed/cluster.py) and measured
+    through a ClusterTestbed; a name that is up across machines is found without it."""
+    from .. import cluster
+
     if isinstance(target, Topology):
         topo = target
         if name or runtime:
             topo = topo.with_overrides(name=name, runtime=runtime)
         if prepare is not None:
             topo = prepare(topo)
+        if machines is not None:
+            cluster.up(topo, machines, runtime=runtime, log=log)
+            try:
+                log(cluster.describe(topo.name))
+                with cluster.ClusterTestbed(topo.name) as tb:
+                    yield tb
+            finally:
+                errors = cluster.down(topo.name, log=_quiet)
+                if errors:
+                    log(f"warning: could not remove {topo.name} everywhere: {'; '.join(errors)} "
+                        f"(run `testbed down {topo.name}`)")
+            return
         with Testbed(topo, runtime=runtime, results_dir=out) as tb:
+            yield tb
+        return
+    if isinstance(target, str) and cluster.cluster_of(target) is not None:
+        with cluster.ClusterTestbed(target) as tb, tb.links_restored(links, warn=lambda m: log(f"warning: {m}")):
             yield tb
         return
     if isinstance(target, str):
@@ -186,6 +207,10 @@ def _topology_of(target) -> Topology:
     if isinstance(target, Testbed):
         return target.topo
     if isinstance(target, str):
+        from .. import cluster
+
+        if cluster.cluster_of(target) is not None:
+            return cluster.ClusterTestbed(target).topo
         try:
             return Testbed.attach(target).topo  # the state file's topology, checked like every attach
         except LookupError:
@@ -328,7 +353,8 @@ def latency_headline(results: list[dict]) -> list[dict]:
 def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None = None, bers=DEFAULT_BERS,
                     size: int = DEFAULT_SIZE, count: int = DEFAULT_COUNT, log: Log = print, *,
                     repeat: int = 1, warmup: int = DEFAULT_WARMUP, port: int = PINGPONG_PORT,
-                    out: str | Path | None = None, runtime: str | None = None, name: str | None = None) -> dict:
+                    out: str | Path | None = None, runtime: str | None = None, name: str | None = None,
+                    machines=None) -> dict:
     """Ping-pong RTT percentiles over one link for every configuration of `latency_configurations(bers)`.
 
     `tb_or_topology`: a Topology (brought up without an engine on the link, down after), or a running Testbed
@@ -349,7 +375,7 @@ def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None
     per_rep: dict[str, list[dict]] = {c["label"]: [] for c in cfgs}
     started = time.time()
     with _open(tb_or_topology, runtime=runtime, name=name, out=out, links={l.name},
-               prepare=lambda t: _without_ber(t, l.name), log=log) as tb:
+               prepare=lambda t: _without_ber(t, l.name), log=log, machines=machines) as tb:
         client, server = l.a.node, l.b.node
         addr = link_address(tb.topo, l, server)
         hosts = [client, server]
@@ -477,7 +503,7 @@ def measure_collective(tb_or_topology: "Testbed | Topology | str", sizes=DEFAULT
                        ber: float | None = None, scope: str = "tensor", checksum: str | None = None,
                        collectives: list[str] | None = None, log: Log = print, *, budget: float = 0.5,
                        timeout: float = 60.0, out: str | Path | None = None, runtime: str | None = None,
-                       name: str | None = None) -> dict:
+                       name: str | None = None, machines=None) -> dict:
     """Run testbed/bench/collective.py on every host (one rank per host, in the topology's host order).
 
     With `ber`, every link's engines are set first (scope `tensor` by default, restricted to allreduce and
@@ -507,7 +533,7 @@ def measure_collective(tb_or_topology: "Testbed | Topology | str", sizes=DEFAULT
 
     started = time.time()
     with _open(tb_or_topology, runtime=runtime, name=name, out=out, links={l.name for l in topo.links},
-               prepare=prepare, log=log) as tb:
+               prepare=prepare, log=log, machines=machines) as tb:
         if settings and not isinstance(tb_or_topology, Topology):
             for l in tb.topo.links:
                 tb.set_link(l.name, **settings)
@@ -517,16 +543,23 @@ def measure_collective(tb_or_topology: "Testbed | Topology | str", sizes=DEFAULT
         run_dir = Path(shared) / f"bench-{uuid.uuid4().hex[:12]}" if shared is not None else \
             base / f".collective-{uuid.uuid4().hex[:8]}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        result_file = run_dir / "collective-rank0.json"
+        # across machines the ranks write into a directory of the same name on every machine (rank 0's result
+        # is read from its machine); the rank logs come back into run_dir here
+        remote_dir = f"/tmp/testbed-bench-{uuid.uuid4().hex[:12]}" if hasattr(tb, "make_dir") else None
+        result_file = Path(remote_dir or run_dir) / "collective-rank0.json"
         before = tb.counters()
         log(f"collective on {tb.name} ({tb.runtime_name}): {len(hosts)} ranks on {', '.join(hosts)}, "
             f"{len(sizes)} sizes" + (f", ber {ber:g} {scope}" if ber is not None else ""))
         try:
+            if remote_dir:
+                tb.make_dir(hosts, remote_dir)
             worker = _run_collective(tb, hosts, sizes, budget, timeout, run_dir, result_file, log)
         finally:
             after = tb.counters()
             logs = {p.name: p.read_text(errors="replace")[-4000:] for p in sorted(run_dir.glob("rank*.log"))}
             shutil.rmtree(run_dir, ignore_errors=True)
+            if remote_dir:
+                tb.remove_dir(hosts, remote_dir)
         runtime_name, topo_name, topo_file = tb.runtime_name, tb.name, tb.topo.file
     eng = _engine_delta(before, after)
     doc = {"topology": topo_name, "topology_file": topo_file, "runtime": runtime_name, "hosts": hosts,
@@ -568,6 +601,8 @@ def _run_collective(tb: Testbed, hosts: list[str], sizes: list[int], budget: flo
                               for r, c in enumerate(codes) if c != 0)
             why = "timed out" if any(c is None for c in codes) else "failed"
             raise RuntimeError(f"collective benchmark {why} (exit codes {codes}):\n{tails}")
+        if hasattr(tb, "read_file"):  # on rank 0's machine
+            return json.loads(tb.read_file(hosts[0], str(result_file)))
         with open(result_file) as f:
             return json.load(f)
     finally:
@@ -608,6 +643,17 @@ def _target(arg: str, name: str | None):
     return arg
 
 
+def _machines(args, target):
+    """The inventory of --machines (a topology file is then placed across those machines), or None."""
+    if not getattr(args, "machines", None):
+        return None
+    if not isinstance(target, Topology):
+        raise BenchError(f"--machines places a topology file; {target!r} is already up (where it was placed)")
+    from ..inventory import load_inventory
+
+    return load_inventory(args.machines)
+
+
 def _default_out(kind: str, target) -> Path:
     base = target.name if isinstance(target, Topology) else str(target)
     return Path("results") / "bench" / f"{kind}-{base}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -633,7 +679,8 @@ def cmd_bench_latency(args) -> int:
     bers = [b for b in args.bers.split(",") if b.strip()]
     out = Path(args.out) if args.out else _default_out("latency", target)
     doc = measure_latency(target, args.link, bers, args.size, args.count, _log, repeat=args.repeat,
-                          warmup=args.warmup, port=args.port, out=out, runtime=args.runtime)
+                          warmup=args.warmup, port=args.port, out=out, runtime=args.runtime,
+                          machines=_machines(args, target))
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
@@ -648,7 +695,8 @@ def cmd_bench_collective(args) -> int:
     out = Path(args.out) if args.out else _default_out("collective", target)
     doc = measure_collective(target, args.sizes, ber=args.ber, scope=args.scope, checksum=args.checksum,
                              collectives=args.collectives.split(",") if args.collectives else None, log=_log,
-                             budget=args.budget, timeout=args.timeout, out=out, runtime=args.runtime)
+                             budget=args.budget, timeout=args.timeout, out=out, runtime=args.runtime,
+                             machines=_machines(args, target))
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
@@ -685,6 +733,11 @@ def register_bench(sub) -> None:
     add_bench_commands(b)
 
 
+def _machines_flag(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--machines", metavar="FILE", help="inventory of machines (docs/machines.md): place the topology "
+                   "file's hosts on them for the measurement (a topology that is up across machines needs no flag)")
+
+
 def add_bench_commands(b: argparse.ArgumentParser) -> None:
     """The `latency` and `collective` subcommands, under `b` (`testbed bench`, or this module's own main)."""
     bsub = b.add_subparsers(dest="bench_cmd", metavar="{latency,collective}", required=True)
@@ -708,6 +761,7 @@ def add_bench_commands(b: argparse.ArgumentParser) -> None:
     s.add_argument("--out", metavar="DIR", help="where latency.json goes (default results/bench/latency-NAME-TIME)")
     s.add_argument("--runtime", choices=runtime_names(), help="runtime for a topology file")
     s.add_argument("--name", help="topology name to bring the file up under")
+    _machines_flag(s)
     s.add_argument("--json", action="store_true", help="print the whole document as JSON")
     s.set_defaults(fn=cmd_bench_latency)
 
@@ -729,6 +783,7 @@ def add_bench_commands(b: argparse.ArgumentParser) -> None:
     s.add_argument("--out", metavar="DIR", help="where collective.json goes (default results/bench/collective-NAME-TIME)")
     s.add_argument("--runtime", choices=runtime_names(), help="runtime for a topology file")
     s.add_argument("--name", help="topology name to bring the file up under")
+    _machines_flag(s)
     s.add_argument("--json", action="store_true", help="print the whole document as JSON")
     s.set_defaults(fn=cmd_bench_collective)
 
