@@ -1,19 +1,24 @@
-"""Benchmark of the corruption engine on a veth between two namespaces (tbE-*), all in one run:
+"""Benchmark of the corruption engines on a veth between two namespaces (tbE-*), all in one run:
 
-- iperf3 TCP throughput without the engine and with it at BER 0, 1e-6, 1e-4 (payload/fix, GSO), measured
+- iperf3 TCP throughput without an engine and with each engine (nfqueue: a Python process behind an NFQUEUE
+  rule; bpf: the tc program, testbed/engine/bpf) at BER 0, 1e-6, 1e-4 (payload/fix, GSO), measured
   interleaved in each repetition (the clean run is the reference of the same repetition); medians;
-- TCP ping-pong round trips (64-byte messages) with and without the engine: the engine sits on one
+- TCP ping-pong round trips (64-byte messages) without an engine and with each: the engine sits on one
   direction only, so the RTT difference is its added one-way latency;
-- informational: checksum=keep at BER 1e-5 (MTU-sized frames, corrupted ones dropped and retransmitted);
+- informational: nfqueue with checksum=keep at BER 1e-5 (MTU-sized frames, corrupted ones dropped and
+  retransmitted);
 - realized-BER accuracy: each iperf run at BER > 0 is one epoch of the engine's counters, checked against
-  the exact 99.9% binomial interval.
+  the exact 99.9% binomial interval;
+- memory per corrupted direction: the nfqueue process's RSS (and PSS), the bpf engine's maps (bpftool's
+  memlock figure, kernel memory charged for them; the program itself is shared by every direction).
 
 Prints a table and writes JSON. Run as root from the repository root:
 
-    .venv/bin/python benchmarks/bench_engine.py [--reps 5] [--seconds 3] [--out results/bench_engine.json]
+    .venv/bin/python benchmarks/bench_engine.py [--reps 5] [--seconds 3] [--engines nfqueue,bpf] [--out F]
 
-Targets (from the engine's brief): BER 0 >= 0.6x clean throughput, BER 1e-4 >= 0.3x, added one-way latency
-p50 <= 50 us. Numbers depend on the machine: 2 vCPUs carry iperf3's client, server and the engine.
+Targets: nfqueue (the engine's first brief): BER 0 >= 0.6x clean, BER 1e-4 >= 0.3x, added one-way latency
+p50 <= 50 us; bpf (issue 12): BER 0 >= 0.9x, BER 1e-4 >= 0.6x, added one-way p50 <= 10 us. Numbers depend on
+the machine: 2 vCPUs carry iperf3's client, server and the engine.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the namespace helpers the engine test
 
 from engine_fixtures import read_json_line, veth_link  # noqa: E402
 
-from testbed.engine.manager import engine_stats, iptables_rule, set_engine  # noqa: E402
+from testbed.engine.manager import attach_engine, detach_engine, engine_stats, set_engine  # noqa: E402
 
 BERS = (0.0, 1e-6, 1e-4)
 KEEP_BER = 1e-5
@@ -58,10 +63,26 @@ def iperf(link, seconds: float) -> dict:
     raise RuntimeError(f"iperf3 failed: {r.stdout[-500:]} {r.stderr[-500:]}")
 
 
-def rule(link, h, action: str) -> None:
-    r = iptables_rule(h.spec)
-    out = link.run("a", ["iptables", "-w", *r[:2], action, r[2], *r[3:]])
-    assert out.returncode == 0, out.stderr
+def memory(h) -> dict:
+    """What one corrupted direction costs: the engine process's RSS and PSS (nfqueue), or its maps' memlock
+    (bpf: kernel memory charged for the maps this direction pinned; no process)."""
+    if h.spec.engine == "bpf":
+        total, n = 0, 0
+        for pin in sorted(Path(h.bpf["pin_dir"]).iterdir()):
+            out = subprocess.run(["bpftool", "-j", "map", "show", "pinned", str(pin)], capture_output=True, text=True)
+            if out.returncode == 0:  # the program's pin is not a map
+                total += int(json.loads(out.stdout).get("bytes_memlock", 0))
+                n += 1
+        return {"kind": "bpf maps", "bytes": total, "maps": n}
+    with open(f"/proc/{h.pid}/status") as f:
+        rss = next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024
+    pss = None
+    try:
+        with open(f"/proc/{h.pid}/smaps_rollup") as f:
+            pss = next(int(l.split()[1]) for l in f if l.startswith("Pss:")) * 1024
+    except (OSError, StopIteration):
+        pass
+    return {"kind": "process", "bytes": rss, "pss_bytes": pss}
 
 
 def pingpong(link, count: int) -> dict:
@@ -88,93 +109,117 @@ def main() -> int:
     ap.add_argument("--pings", type=int, default=3000)
     ap.add_argument("--no-keep", dest="keep", action="store_false",
                     help="skip the informational checksum=keep row (BER 1e-5, MTU-sized frames)")
+    ap.add_argument("--engines", default="nfqueue,bpf", help="engines to compare (default nfqueue,bpf)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_engine.json"))
     args = ap.parse_args()
 
-    runs: dict[str, list[dict]] = {"clean": [], **{f"ber={b:g}": [] for b in BERS}}
-    if args.keep:
-        runs[f"keep ber={KEEP_BER:g}"] = []
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    runs: dict[str, list[dict]] = {"clean": [], **{f"{e} ber={b:g}": [] for e in engines for b in BERS}}
+    if args.keep and "nfqueue" in engines:
+        runs[f"nfqueue keep ber={KEEP_BER:g}"] = []
     accuracy = []
     with veth_link() as link:
         server = link.popen("b", ["iperf3", "-s", "-p", str(IPERF_PORT)])
         time.sleep(0.5)
-        h = link.start_engine(ber=0.0, seed=1, scope="payload", checksum="fix")
-        rule(link, h, "-D")  # the engine stays up; the rule decides whether traffic goes through it
+        handles = {}
+        for e in engines:
+            extra = {"peer_netns": link.path["b"], "peer_iface": link.iface} if e == "bpf" else {}
+            handles[e] = link.start_engine(ber=0.0, seed=1, scope="payload", checksum="fix", engine=e, **extra)
+            detach_engine(handles[e])  # the engine stays; attaching decides whether traffic goes through it
+        mem = {e: memory(h) for e, h in handles.items()}
         for rep in range(args.reps):
             runs["clean"].append(iperf(link, args.seconds))
-            rule(link, h, "-A")
-            for ber in BERS:
-                set_engine(h, ber=ber)
-                r = iperf(link, args.seconds)
-                runs[f"ber={ber:g}"].append(r)
-                ep = engine_stats(h)["epochs"][-1]
-                accuracy.append({"ber": ber, "bits": ep["bits_seen"], "flips": ep["bits_flipped"],
-                                 "realized": ep["realized_ber"], "in_99.9%_interval":
-                                 bool(binomial_ok(ep["bits_flipped"], ep["bits_seen"], ber))})
-            if args.keep:  # informational: checksum keep, MTU-sized frames (no GSO), drops + retransmits
-                set_engine(h, checksum="keep", ber=KEEP_BER)
-                runs[f"keep ber={KEEP_BER:g}"].append(iperf(link, args.seconds))
-                set_engine(h, checksum="fix", ber=0.0)
-            rule(link, h, "-D")
+            for e, h in handles.items():
+                attach_engine(h)
+                for ber in BERS:
+                    set_engine(h, ber=ber)
+                    r = iperf(link, args.seconds)
+                    runs[f"{e} ber={ber:g}"].append(r)
+                    ep = engine_stats(h)["epochs"][-1]
+                    accuracy.append({"engine": e, "ber": ber, "bits": ep["bits_seen"], "flips": ep["bits_flipped"],
+                                     "realized": ep["realized_ber"], "in_99.9%_interval":
+                                     bool(binomial_ok(ep["bits_flipped"], ep["bits_seen"], ber))})
+                if args.keep and e == "nfqueue":  # informational: MTU-sized frames, drops + retransmits
+                    set_engine(h, checksum="keep", ber=KEEP_BER)
+                    runs[f"nfqueue keep ber={KEEP_BER:g}"].append(iperf(link, args.seconds))
+                    set_engine(h, checksum="fix", ber=0.0)
+                set_engine(h, ber=0.0)
+                detach_engine(h)
             print(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]['gbit_s']:.2f}" for k, v in runs.items()),
                   flush=True)
         # Latency is bimodal on 2 vCPUs (where the scheduler puts the engine vs the ping-pong processes):
         # alternate clean/engine rounds and take medians over rounds.
-        set_engine(h, ber=0.0)
         lat_rounds = []
         for _ in range(args.reps):
-            clean = pingpong(link, args.pings)
-            rule(link, h, "-A")
-            engine = pingpong(link, args.pings)
-            rule(link, h, "-D")
-            lat_rounds.append((clean, engine))
-        st = engine_stats(h)
+            rnd = {"clean": pingpong(link, args.pings)}
+            for e, h in handles.items():
+                attach_engine(h)
+                rnd[e] = pingpong(link, args.pings)
+                detach_engine(h)
+            lat_rounds.append(rnd)
+        finals = {e: engine_stats(h) for e, h in handles.items()}
         server.terminate()
 
     ratios = {}
     for k in runs:
         if k != "clean":
             ratios[k] = statistics.median(r["gbit_s"] / c["gbit_s"] for r, c in zip(runs[k], runs["clean"]))
-    result = {
-        "reps": args.reps, "seconds": args.seconds,
-        "throughput_gbit_s_median": {k: statistics.median(r["gbit_s"] for r in v) for k, v in runs.items()},
-        "ratio_to_clean_median": ratios,
-        "retransmits_median": {k: statistics.median(r["retransmits"] for r in v) for k, v in runs.items()},
-        "runs": runs,
-        "latency": {
-            "rounds": [{"clean_p50_us": c["rtt_p50_us"], "clean_p99_us": c["rtt_p99_us"],
-                        "engine_p50_us": e["rtt_p50_us"], "engine_p99_us": e["rtt_p99_us"]} for c, e in lat_rounds],
-            "clean_p50_us": statistics.median(c["rtt_p50_us"] for c, _ in lat_rounds),
-            "clean_p99_us": statistics.median(c["rtt_p99_us"] for c, _ in lat_rounds),
-            "engine_p50_us": statistics.median(e["rtt_p50_us"] for _, e in lat_rounds),
-            "engine_p99_us": statistics.median(e["rtt_p99_us"] for _, e in lat_rounds),
+    med = statistics.median
+    latency = {"rounds": [{k: {"p50_us": v["rtt_p50_us"], "p99_us": v["rtt_p99_us"]} for k, v in r.items()}
+                          for r in lat_rounds],
+               "clean_p50_us": med(r["clean"]["rtt_p50_us"] for r in lat_rounds),
+               "clean_p99_us": med(r["clean"]["rtt_p99_us"] for r in lat_rounds)}
+    for e in engines:
+        latency[e] = {
+            "p50_us": med(r[e]["rtt_p50_us"] for r in lat_rounds),
+            "p99_us": med(r[e]["rtt_p99_us"] for r in lat_rounds),
             # the engine sits on one direction only: the added round-trip time is the added one-way latency
-            "added_one_way_p50_us": statistics.median(e["rtt_p50_us"] - c["rtt_p50_us"] for c, e in lat_rounds),
-            "added_one_way_p99_us": statistics.median(e["rtt_p99_us"] - c["rtt_p99_us"] for c, e in lat_rounds)},
-        "ber_accuracy": accuracy,
-        "engine_final": {k: st.get(k) for k in ("packets", "bytes", "packets_modified", "packets_errors",
-                                                 "packets_truncated", "verdict_errors")},
-        "targets": {"ber0_ratio>=0.6": ratios["ber=0"] >= 0.6, "ber1e-4_ratio>=0.3": ratios["ber=0.0001"] >= 0.3,
-                    "added_p50_us<=50": None},
+            "added_one_way_p50_us": med(r[e]["rtt_p50_us"] - r["clean"]["rtt_p50_us"] for r in lat_rounds),
+            "added_one_way_p99_us": med(r[e]["rtt_p99_us"] - r["clean"]["rtt_p99_us"] for r in lat_rounds)}
+    targets = {}
+    bars = {"nfqueue": (0.6, 0.3, 50.0), "bpf": (0.9, 0.6, 10.0)}
+    for e in engines:
+        b0, b4, lat = bars[e]
+        targets[f"{e} ber0_ratio>={b0}"] = ratios[f"{e} ber=0"] >= b0
+        targets[f"{e} ber1e-4_ratio>={b4}"] = ratios[f"{e} ber=0.0001"] >= b4
+        targets[f"{e} added_p50_us<={lat:g}"] = latency[e]["added_one_way_p50_us"] <= lat
+    result = {
+        "reps": args.reps, "seconds": args.seconds, "engines": engines,
+        "throughput_gbit_s_median": {k: med(r["gbit_s"] for r in v) for k, v in runs.items()},
+        "ratio_to_clean_median": ratios,
+        "retransmits_median": {k: med(r["retransmits"] for r in v) for k, v in runs.items()},
+        "runs": runs, "latency": latency, "ber_accuracy": accuracy,
+        "memory_per_direction": mem,
+        "engine_final": {e: {k: st.get(k) for k in ("packets", "bytes", "packets_modified", "packets_errors",
+                                                    "packets_truncated", "verdict_errors")}
+                         for e, st in finals.items()},
+        "targets": targets,
     }
-    result["targets"]["added_p50_us<=50"] = result["latency"]["added_one_way_p50_us"] <= 50
     print()
-    print(f"{'config':<16} {'Gbit/s (median)':>16} {'x clean (median)':>17} {'retransmits':>12}")
+    print(f"{'config':<22} {'Gbit/s (median)':>16} {'x clean (median)':>17} {'retransmits':>12}")
     for k in runs:
-        print(f"{k:<16} {result['throughput_gbit_s_median'][k]:>16.2f} "
+        print(f"{k:<22} {result['throughput_gbit_s_median'][k]:>16.2f} "
               f"{ratios.get(k, 1.0):>17.2f} {result['retransmits_median'][k]:>12}")
-    lat = result["latency"]
-    print(f"\nping-pong RTT p50/p99 us (median of {args.reps} rounds): clean {lat['clean_p50_us']:.1f}/"
-          f"{lat['clean_p99_us']:.1f}, engine {lat['engine_p50_us']:.1f}/{lat['engine_p99_us']:.1f} -> added "
-          f"one-way p50 {lat['added_one_way_p50_us']:.1f} us, p99 {lat['added_one_way_p99_us']:.1f} us "
-          f"(per round: {', '.join('%.0f' % (e['engine_p50_us'] - e['clean_p50_us']) for e in lat['rounds'])})")
-    for b in BERS[1:]:
-        acc = [a for a in accuracy if a["ber"] == b]
-        bits = sum(a["bits"] for a in acc)
-        flips = sum(a["flips"] for a in acc)
-        print(f"BER {b:g}: realized {flips / bits:.4g} over {bits:.3g} bits; "
-              f"{sum(a['in_99.9%_interval'] for a in acc)}/{len(acc)} runs inside the 99.9% binomial interval")
-    print("targets:", result["targets"])
+    print(f"\nping-pong RTT p50/p99 us (median of {args.reps} rounds): clean {latency['clean_p50_us']:.1f}/"
+          f"{latency['clean_p99_us']:.1f}")
+    for e in engines:
+        L = latency[e]
+        print(f"  {e:<8} {L['p50_us']:.1f}/{L['p99_us']:.1f} -> added one-way p50 {L['added_one_way_p50_us']:.1f} us, "
+              f"p99 {L['added_one_way_p99_us']:.1f} us (per round: "
+              f"{', '.join('%.0f' % (r[e]['rtt_p50_us'] - r['clean']['rtt_p50_us']) for r in lat_rounds)})")
+    for e in engines:
+        m = mem[e]
+        print(f"memory per corrupted direction, {e}: {m['bytes'] / 2**20:.2f} MiB ({m['kind']}"
+              + (f", PSS {m['pss_bytes'] / 2**20:.1f} MiB" if m.get("pss_bytes") else "")
+              + (f", {m['maps']} maps" if "maps" in m else "") + ")")
+    for e in engines:
+        for b in BERS[1:]:
+            acc = [a for a in accuracy if a["ber"] == b and a["engine"] == e]
+            bits = sum(a["bits"] for a in acc)
+            flips = sum(a["flips"] for a in acc)
+            print(f"{e} BER {b:g}: realized {flips / bits:.4g} over {bits:.3g} bits; "
+                  f"{sum(a['in_99.9%_interval'] for a in acc)}/{len(acc)} runs inside the 99.9% binomial interval")
+    print("targets:", targets)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

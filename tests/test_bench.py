@@ -87,13 +87,17 @@ def test_cli_latency_from_yaml_and_bad_arguments(tmp_path):
     name = unique_name("blat")
     out = tmp_path / "lat"
     try:
+        # --engine auto: the bpf engine where it loads (the other latency test measures nfqueue engines)
         r = bench("latency", str(TOPOLOGIES / "pair.yaml"), "--name", name, "--bers", "1e-5", "--count", "30",
-                  "--out", str(out))
+                  "--engine", "auto", "--out", str(out))
         assert r.returncode == 0, r.stderr
         for label in LABELS:
             assert label in r.stdout
         assert "keep/fix p99" in r.stdout
-        check_latency_doc(json.loads((out / "latency.json").read_text()), 30)
+        doc = json.loads((out / "latency.json").read_text())
+        check_latency_doc(doc, 30)
+        from testbed.engine.bpf.engine import available
+        assert doc["engine"] == ("bpf" if available()[0] else "nfqueue"), doc["engine"]
     finally:
         teardown(name, save_stats=False)
     assert not leftovers(name)
@@ -103,6 +107,10 @@ def test_cli_latency_from_yaml_and_bad_arguments(tmp_path):
     assert r.returncode == 2 and "no link 'h1-h9'" in r.stderr and "h1-h2" in r.stderr, r.stderr
     r = bench("latency", str(TOPOLOGIES / "star8.yaml"), "--name", name)
     assert r.returncode == 2 and "ends at switch s1" in r.stderr, r.stderr
+    r = bench("latency", "no-such-topology-up")
+    assert r.returncode == 2 and "neither a topology file nor" in r.stderr, r.stderr
+    r = bench("latency", str(TOPOLOGIES / "pair.yaml"), "--name", name, "--engine", "tc")
+    assert r.returncode == 2 and "tc" in r.stderr, r.stderr
     r = bench("latency", "no-such-topology-up")
     assert r.returncode == 2 and "neither a topology file nor" in r.stderr, r.stderr
     r = bench("latency", str(TOPOLOGIES / "pair.yaml"), "--name", name, "--bers", "0,0.7")

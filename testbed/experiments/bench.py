@@ -354,17 +354,23 @@ def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None
                     size: int = DEFAULT_SIZE, count: int = DEFAULT_COUNT, log: Log = print, *,
                     repeat: int = 1, warmup: int = DEFAULT_WARMUP, port: int = PINGPONG_PORT,
                     out: str | Path | None = None, runtime: str | None = None, name: str | None = None,
-                    machines=None) -> dict:
+                    machines=None, engine: str | None = None) -> dict:
     """Ping-pong RTT percentiles over one link for every configuration of `latency_configurations(bers)`.
 
     `tb_or_topology`: a Topology (brought up without an engine on the link, down after), or a running Testbed
     or its name (left as found). With `repeat` > 1 the whole fixed sequence runs `repeat` times (interleaved, so
     drift hits every configuration alike); each result then pools all samples, and `repeats` holds the
     per-repetition figures. Returns the latency.json document (written atomically to out/latency.json if
-    `out` is given).
+    `out` is given). `engine` (nfqueue, bpf or auto): the engine kind of the measured link, for a topology
+    file (default: what the file says, else nfqueue).
     """
     log = log or _quiet
     bers = _check_bers(bers)
+    if engine is not None:
+        if engine not in ("nfqueue", "bpf", "auto"):
+            raise BenchError(f"engine {engine!r}: nfqueue, bpf or auto")
+        if not isinstance(tb_or_topology, Topology):
+            raise BenchError("engine applies to a topology file (a topology that is up keeps its engines)")
     if size < 1 or count < 1 or repeat < 1 or warmup < 0:
         raise BenchError("size, count and repeat must be >= 1 and warmup >= 0")
     topo = _topology_of(tb_or_topology)
@@ -374,13 +380,17 @@ def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None
     samples: dict[str, list[float]] = {c["label"]: [] for c in cfgs}
     per_rep: dict[str, list[dict]] = {c["label"]: [] for c in cfgs}
     started = time.time()
+    def prepare(t: Topology) -> Topology:
+        return _without_ber(t.with_overrides(engine=engine) if engine else t, l.name)
+
     with _open(tb_or_topology, runtime=runtime, name=name, out=out, links={l.name},
-               prepare=lambda t: _without_ber(t, l.name), log=log, machines=machines) as tb:
+               prepare=prepare, log=log, machines=machines) as tb:
         client, server = l.a.node, l.b.node
         addr = link_address(tb.topo, l, server)
         hosts = [client, server]
         log(f"latency on {tb.name} ({tb.runtime_name}) link {l.name}: {client} -> {server} {addr}:{port}, "
-            f"{size} B x {count} round trips, {len(cfgs)} configurations x {repeat}")
+            f"{size} B x {count} round trips, {len(cfgs)} configurations x {repeat}"
+            + (f", engine {engine}" if engine else ""))
         with tb.detached(l.name):
             _pingpong(tb, client, server, addr, size, min(count, 200), warmup, port)  # discarded warm-up run
         for rep in range(repeat):
@@ -407,6 +417,7 @@ def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None
                     f"{rec['bits_flipped']}  retrans {rec['retrans_segs']}" + (f"  ERROR {rec['error']}" if rec["error"] else ""))
         runtime_name = tb.runtime_name
         topo_name, topo_file = tb.name, tb.topo.file
+        kinds = sorted({str(x.get("engine") or "nfqueue") for x in tb.counters([l.name]).values()})
     results = []
     for c in cfgs:
         reps = per_rep[c["label"]]
@@ -427,6 +438,7 @@ def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None
     doc = {"topology": topo_name, "topology_file": topo_file, "runtime": runtime_name, "link": l.name,
            "client": l.a.node, "server": l.b.node, "server_address": addr, "port": port,
            "size": size, "count": count, "warmup": warmup, "repeat": repeat, "scope": "payload",
+           "engine": ",".join(kinds) or None,
            "bers": sorted(set(bers)), "started_at": started, "finished_at": time.time(),
            "counters_note": "bits and TCP counters cover each configuration's whole connection (warm-up round "
                             "trips and handshake included), summed over both directions / both hosts",
@@ -454,6 +466,7 @@ def latency_table(doc: dict) -> str:
     if not any(r[-1] for r in rows):
         head, rows = head[:-1], [r[:-1] for r in rows]
     text = [f"{doc['topology']} link {doc['link']} ({doc['client']} -> {doc['server']}), {doc['runtime']}, "
+            + (f"engine {doc['engine']}, " if doc.get("engine") else "") +
             f"{doc['size']} B messages x {doc['count']} round trips" +
             (f" x {doc['repeat']} repeats (pooled)" if doc.get("repeat", 1) > 1 else ""), "",
             _fmt_table(rows, head)]
@@ -680,7 +693,7 @@ def cmd_bench_latency(args) -> int:
     out = Path(args.out) if args.out else _default_out("latency", target)
     doc = measure_latency(target, args.link, bers, args.size, args.count, _log, repeat=args.repeat,
                           warmup=args.warmup, port=args.port, out=out, runtime=args.runtime,
-                          machines=_machines(args, target))
+                          machines=_machines(args, target), engine=args.engine)
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
@@ -758,6 +771,9 @@ def add_bench_commands(b: argparse.ArgumentParser) -> None:
     s.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="untimed round trips per connection")
     s.add_argument("--repeat", type=int, default=1, help="run the whole sequence this many times (pooled)")
     s.add_argument("--port", type=int, default=PINGPONG_PORT, help=f"server port (default {PINGPONG_PORT})")
+    s.add_argument("--engine", choices=["nfqueue", "bpf", "auto"],
+                   help="engine kind on the measured link, for a topology file (default: the file's, else nfqueue; "
+                        "auto: bpf where it loads)")
     s.add_argument("--out", metavar="DIR", help="where latency.json goes (default results/bench/latency-NAME-TIME)")
     s.add_argument("--runtime", choices=runtime_names(), help="runtime for a topology file")
     s.add_argument("--name", help="topology name to bring the file up under")

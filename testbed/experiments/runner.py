@@ -251,6 +251,8 @@ def run_latency(exp: Experiment, out: Path, runtime: str | None, say) -> None:
     lat = exp.spec.latency
     path = out / "latency.json"
     want = {"topology": lat.topology, "link": lat.link, "bers": list(lat.bers), "size": lat.size, "count": lat.count}
+    if lat.engine is not None:
+        want["engine"] = lat.engine
     if path.exists() and json.loads(path.read_text()).get("config") == want:
         say("latency: already measured")
         return
@@ -258,6 +260,6 @@ def run_latency(exp: Experiment, out: Path, runtime: str | None, say) -> None:
     topo = Topology.load(exp.resolve(lat.topology), name=f"{exp.spec.name[:8]}{os.getpid() % 10000}-lat")
     if runtime:
         topo = topo.with_overrides(runtime=runtime)
-    result = measure_latency(topo, lat.link, list(lat.bers), lat.size, lat.count, log=say)
+    result = measure_latency(topo, lat.link, list(lat.bers), lat.size, lat.count, log=say, engine=lat.engine)
     result["config"] = want
     write_json_atomic(path, result)

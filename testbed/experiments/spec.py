@@ -91,6 +91,7 @@ class LatencySpec(_Strict):
     bers: list[Ber] = Field(default_factory=lambda: [0.0, 1e-6, 1e-5])
     size: int = Field(default=16384, ge=1)
     count: int = Field(default=500, ge=10)
+    engine: Literal["nfqueue", "bpf", "auto"] | None = None  # the measured link's engine (None: the file's)
 
 
 class LinkSpec(_Strict):
