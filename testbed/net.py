@@ -30,7 +30,9 @@ from .topo import Link, LinkImpairment, Topology
 MGMT_IFNAME = "mgmt0"
 MGMT_TUNNEL = "vxmgmt"  # in the management namespace of each machine, when the topology spans machines
 # Counters that `counter_delta` subtracts by default (what a training summary reports per link direction).
-COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced")
+# queue_dropped/user_dropped: packets the kernel dropped on the way to an NFQUEUE engine (its queue full, its
+# socket overrun): loss the engine caused, kept apart from the link's (docs/engine.md, "Counters").
+COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced", "queue_dropped", "user_dropped")
 # Tensor-scope engines also count flips by field of the value and the unprotected bits they saw.
 FIELD_COUNTERS = ("bits_exposed", "flips_sign", "flips_exponent", "flips_mantissa")
 # What `counter_delta` copies as it is from the later snapshot (the settings in force at its end).
@@ -38,12 +40,27 @@ COUNTER_KEPT = ("link", "direction", "alive", "ber", "scope", "checksum")
 # Live-settable engine settings that `links_restored` puts back.
 RESTORED_SETTINGS = ("ber", "error_model", "scope", "checksum", "seed", "collectives", "element", "protect",
                      "protected_ber")
+# NFQUEUE engine processes: one per host namespace serving all of its corrupted directions, or one per direction
+# (docs/engine.md, "Engine processes"; benchmarks/bench_engine_procs.py measured both). TESTBED_ENGINE_PROCS or
+# `up --engine-procs` chooses.
+ENGINE_PROCS = ("host", "direction")
+DEFAULT_ENGINE_PROCS = "host"
+
+
+def engine_procs_default() -> str:
+    v = os.environ.get("TESTBED_ENGINE_PROCS") or DEFAULT_ENGINE_PROCS
+    if v not in ENGINE_PROCS:
+        raise ValueError(f"TESTBED_ENGINE_PROCS must be one of {', '.join(ENGINE_PROCS)}, got {v!r}")
+    return v
 
 
 class Testbed:
     def __init__(self, topology: Topology, runtime: str | None = None, capture: dict | None = None,
-                 results_dir: str | Path | None = None, part: dict | None = None):
+                 results_dir: str | Path | None = None, part: dict | None = None, engine_procs: str | None = None):
         self.topo = topology
+        if engine_procs is not None and engine_procs not in ENGINE_PROCS:
+            raise ValueError(f"engine_procs must be one of {', '.join(ENGINE_PROCS)}, got {engine_procs!r}")
+        self.engine_procs = engine_procs
         # On one machine of several (testbed/cluster.py): the nodes this machine builds and the VXLAN tunnel of
         # each link that leaves them (testbed/placement.py, `parts`). None: every node, here.
         self.part = part
@@ -57,10 +74,12 @@ class Testbed:
 
     @classmethod
     def open(cls, path: str | Path, name: str | None = None, runtime: str | None = None,
-             capture: dict | None = None, results_dir: str | Path | None = None) -> "Testbed":
+             capture: dict | None = None, results_dir: str | Path | None = None,
+             engine_procs: str | None = None) -> "Testbed":
         """The Testbed of the topology file at `path` (under `name` instead of the file's, if given), not up
         yet: `with Testbed.open(path) as tb:` brings it up and down."""
-        return cls(Topology.load(path, name=name), runtime=runtime, capture=capture, results_dir=results_dir)
+        return cls(Topology.load(path, name=name), runtime=runtime, capture=capture, results_dir=results_dir,
+                   engine_procs=engine_procs)
 
     @property
     def name(self) -> str:
@@ -122,10 +141,12 @@ class Testbed:
 
     def up(self) -> "Testbed":
         self.preflight()
+        self.engine_procs = self.engine_procs or engine_procs_default()
         claim(self.name)
         self.state = State.new(self.name, file=self.topo.file, runtime=self.runtime_name, topology=self.topo.raw,
                                up_pid=os.getpid(), capture=self.capture,
-                               results_dir=str(self.results_dir) if self.results_dir else None, part=self.part)
+                               results_dir=str(self.results_dir) if self.results_dir else None, part=self.part,
+                               engine_procs=self.engine_procs)
         try:
             with link.batched():
                 self._build()
@@ -204,10 +225,13 @@ class Testbed:
                     link.apply_impairment(netns_of[snd.node], snd.iface, imp, self.mtu_of(l))
         st.data["netns_of"] = netns_of
         st.save()
-        for l in topo.links:
-            for dname, _, _, imp in l.directions():
-                if imp.corrupts and local(engine_node(topo, l, dname)):
-                    self._start_engine(l, dname, imp)
+        wanted = [(l, dname, imp) for l in topo.links for dname, _, _, imp in l.directions()
+                  if imp.corrupts and local(engine_node(topo, l, dname))]
+        if self.engine_procs == "host":
+            self._start_host_engines(wanted)
+        else:
+            for l, dname, imp in wanted:
+                self._start_engine(l, dname, imp)
 
     def mtu_of(self, l: Link) -> int:
         """The link's MTU on the wire: its own, or the tunnel's when it crosses machines."""
@@ -225,23 +249,26 @@ class Testbed:
             return netns_of[snd.node], snd.iface, "egress"
         return netns_of[rcv.node], rcv.iface, "ingress"
 
-    def _start_engine(self, l: Link, direction: str, imp: LinkImpairment):
-        from .engine.manager import EngineSpec, start_engine
+    def _engine_spec(self, l: Link, direction: str, imp: LinkImpairment):
+        """The EngineSpec of one direction: its site, a queue number free in that namespace, its files."""
+        from .engine.manager import EngineSpec
 
         netns, iface, hook = self.engine_site(l, direction)
         engines = self.state.data["engines"]
-        key = f"{l.name}/{direction}"
-        queue_num = 1 + sum(1 for e in engines.values() if e.get("spec", {}).get("netns") == netns)
+        # free in the namespace even after engines were stopped (links_restored stops those it started)
+        queue_num = 1 + max([e.get("spec", {}).get("queue_num", 0) for e in engines.values()
+                             if e.get("spec", {}).get("netns") == netns], default=0)
         edir = state_dir(self.name) / "engines"
         edir.mkdir(exist_ok=True)
-        idx = len(engines)
+        idx = 1 + max([int(Path(e["spec"]["stats_file"]).name.split(".")[0][1:]) for e in engines.values()
+                       if e.get("spec")], default=-1)
         capture = None
         if self.capture:
             capture = {"dir": str(Path(self.capture["dir"]) / f"{l.name}.{direction.replace('->', '_to_')}"),
                        "max_bytes": int(self.capture.get("max_bytes", 10_000_000))}
         peer_netns, peer_iface = self._engine_peer(l, direction, hook)
         kind = self._engine_kind(imp, capture, peer_netns)
-        spec = EngineSpec(
+        return EngineSpec(
             topology=self.name, link=l.name, direction=direction, netns=netns, iface=iface, hook=hook,
             queue_num=queue_num, ber=imp.ber or 0.0, error_model=dict(imp.error_model), scope=imp.scope,
             checksum=imp.checksum, seed=imp.seed, collectives=list(imp.collectives) if imp.collectives else None,
@@ -250,19 +277,63 @@ class Testbed:
             stats_file=str(edir / f"e{idx}.stats.json"), capture=capture if kind == "nfqueue" else None,
             engine=kind, peer_netns=peer_netns, peer_iface=peer_iface,
         )
-        engines[key] = {"spec": spec.to_dict(), "pending": True}
+
+    def _start_engine(self, l: Link, direction: str, imp: LinkImpairment):
+        """Start one direction's engine: its own process (or tc program), or, with engine_procs host, a lane of
+        the NFQUEUE process already serving its namespace."""
+        from .engine.manager import join_engine, start_engine
+
+        spec = self._engine_spec(l, direction, imp)
+        key = f"{l.name}/{direction}"
+        running = self._host_engine(spec.netns) if spec.engine == "nfqueue" else None
+        return self._recorded([(key, spec)], lambda: [join_engine(running, spec) if running else start_engine(spec)])[0]
+
+    def _start_host_engines(self, wanted: list) -> None:
+        """engine_procs host: one NFQUEUE process per namespace for all of its directions (bpf ones alone)."""
+        from .engine.manager import start_engine, start_engines
+
+        groups: dict[str, list] = {}
+        for l, dname, imp in wanted:
+            key = f"{l.name}/{dname}"
+            spec = self._engine_spec(l, dname, imp)
+            if spec.engine != "nfqueue":
+                self._recorded([(key, spec)], lambda spec=spec: [start_engine(spec)])
+                continue
+            self.state.data["engines"][key] = {"spec": spec.to_dict(), "pending": True}  # reserves its queue
+            groups.setdefault(spec.netns, []).append((key, spec))
+        for members in groups.values():
+            self._recorded(members, lambda members=members: start_engines([s for _, s in members]))
+
+    def _recorded(self, members: list, start: Callable[[], list]) -> list:
+        """Record `members` ((key, spec)) as pending, run `start` (their handles), record the handles."""
+        engines = self.state.data["engines"]
+        for key, spec in members:
+            engines[key] = {"spec": spec.to_dict(), "pending": True}
         self.state.save()
         try:
-            handle = start_engine(spec)
+            handles = start()
         except BaseException:
-            # start_engine removes its own process and rule on failure; forget the record, or `status` would
-            # report a dead engine (and a dropping link) that never existed
-            del engines[key]
+            # start_engine(s) removes its own process and rules on failure; forget the records, or `status`
+            # would report a dead engine (and a dropping link) that never existed
+            for key, _ in members:
+                del engines[key]
             self.state.save()
             raise
-        engines[key] = {"spec": spec.to_dict(), "handle": handle.to_dict()}
+        for (key, spec), handle in zip(members, handles):
+            engines[key] = {"spec": spec.to_dict(), "handle": handle.to_dict()}
         self.state.save()
-        return handle
+        return handles
+
+    def _host_engine(self, netns: str):
+        """With engine_procs host: the handle of a live NFQUEUE engine process in `netns`, to join; else None."""
+        from .engine.manager import handle_alive
+
+        if (self.engine_procs or self.state.data.get("engine_procs") or "direction") != "host":
+            return None
+        for h in self.engine_handles().values():
+            if h.spec.engine == "nfqueue" and h.spec.netns == netns and handle_alive(h):
+                return h
+        return None
 
     def _engine_peer(self, l: Link, direction: str, hook: str) -> tuple[str, str]:
         """The link's other end from the engine's site (netns, iface), where it is on this machine ("" if not):

@@ -283,7 +283,8 @@ def test_testbed_counters_restore_and_detach(load_topology):
         assert sent["bits_seen"] == 8 * nbytes and sent["bits_flipped"] > 0, sent
         assert sent["ber"] == 1e-5 and sent["scope"] == "payload" and sent["alive"] is True
         assert set(sent) == {"link", "direction", "alive", "ber", "scope", "checksum", "bits_seen", "bits_flipped",
-                             "packets_modified", "flows_desynced"}
+                             "packets_modified", "flows_desynced", "queue_dropped", "user_dropped"}
+        assert sent["queue_dropped"] == sent["user_dropped"] == 0  # engine-caused loss: none in a healthy run
         assert counter_delta(before, before)["h1-h2/h1->h2"]["bits_seen"] == 0
 
         # Changed inside, as it was after: settings restored on the engines that were there.

@@ -1,9 +1,14 @@
-"""Start, query, change and stop engines (one per corrupted link direction).
+"""Start, query, change and stop engines (one handle per corrupted link direction).
 
 ``start_engine`` writes the config, starts ``python -m testbed.engine --config FILE`` in its own process
 group, waits for "READY" (the queue is bound), and only then adds the iptables NFQUEUE rule inside the
 namespace, without ``--queue-bypass``: from then on a dead engine means a dead link (fail closed), never a
 clean one. ``EngineHandle`` is plain data (``to_dict``/``from_dict``) so a later process can stop the engine.
+
+One process may serve several directions of one namespace (docs/engine.md, "Engine processes"):
+``start_engines`` starts one for several specs, ``join_engine`` adds a direction to a running one. Every
+handle still names one direction (its queue, control socket and stats file); directions of one process share
+its pid, so killing it kills them all (each fails closed).
 
 A spec with ``engine: "bpf"`` gets the in-kernel engine instead (testbed/engine/bpf: a tc program, no
 process; ``pid`` is 0 and ``handle.bpf`` says where it is pinned and attached): every function here
@@ -25,12 +30,15 @@ from pathlib import Path
 from .. import nsutil, procs
 from .config import EngineError, EngineSpec
 from .control import request
+from .nfqueue import queue_drops
 
 __all__ = [
     "EngineSpec",
     "EngineHandle",
     "EngineError",
     "start_engine",
+    "start_engines",
+    "join_engine",
     "stop_engine",
     "engine_stats",
     "set_engine",
@@ -171,38 +179,75 @@ def _tail(path: str, n: int = 4000) -> str:
         return ""
 
 
-def start_engine(spec: EngineSpec, python: str = sys.executable, ready_timeout: float = 20.0) -> EngineHandle:
-    """Start an engine for ``spec`` and attach it to the link; raise EngineError (with the engine's stderr)
-    if it does not come up."""
+def _prepared(spec: EngineSpec) -> EngineSpec:
     spec = replace(spec, stats_file=os.path.abspath(spec.stats_file),
                    control_socket=os.path.abspath(spec.control_socket)).validate()  # the engine runs in /
     if not os.path.exists(spec.netns):
         raise EngineError(f"network namespace {spec.netns} does not exist")
+    return spec
+
+
+def _write_config(spec: EngineSpec) -> Path:
+    for p in (spec.stats_file, spec.control_socket):
+        Path(p).parent.mkdir(parents=True, exist_ok=True)
+    config_path = spec.config_path()
+    config_path.write_text(json.dumps(spec.to_dict(), indent=1))
+    return config_path
+
+
+def start_engine(spec: EngineSpec, python: str = sys.executable, ready_timeout: float = 20.0) -> EngineHandle:
+    """Start an engine for ``spec`` (its own process, or a tc program for engine bpf) and attach it to the link;
+    raise EngineError (with the engine's stderr) if it does not come up."""
+    spec = _prepared(spec)
     if spec.engine == "bpf":
         rec = _bpf().start(spec)
         return EngineHandle(spec=spec, pid=0, start_time=None, config_path=str(spec.config_path()),
                             log_path=str(spec.log_path()), started_at=time.time(), bpf=rec,
                             rule=["tc", "filter", rec["attach"]["hook"], "dev", rec["attach"]["iface"], "pref",
                                   str(_bpf().PREF), "bpf", "tb_flip"])
-    for p in (spec.stats_file, spec.control_socket):
-        Path(p).parent.mkdir(parents=True, exist_ok=True)
-    config_path = spec.config_path()
-    log_path = spec.log_path()
-    config_path.write_text(json.dumps(spec.to_dict(), indent=1))
+    return start_engines([spec], python=python, ready_timeout=ready_timeout)[0]
+
+
+def start_engines(specs: list[EngineSpec], python: str = sys.executable,
+                  ready_timeout: float = 20.0) -> list[EngineHandle]:
+    """One NFQUEUE engine process serving every spec (all engine nfqueue, one namespace, distinct queues), each
+    direction attached to its link once all are bound; one handle per spec. The process logs into the first
+    spec's log. On failure nothing is left: no process, no rule."""
+    specs = [_prepared(s) for s in specs]
+    if not specs:
+        return []
+    if any(s.engine != "nfqueue" for s in specs):
+        raise EngineError("start_engines starts NFQUEUE engine processes; a bpf engine has none (start_engine)")
+    if len({os.path.realpath(s.netns) for s in specs}) > 1:
+        raise EngineError("one engine process serves one network namespace, got "
+                          + ", ".join(sorted({s.netns for s in specs})))
+    queues = [s.queue_num for s in specs]
+    if len(set(queues)) < len(queues):
+        raise EngineError(f"queue numbers must differ within a namespace, got {queues}")
+    configs = [_write_config(s) for s in specs]
+    log_path = specs[0].log_path()
     env = dict(os.environ)
     env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
+    argv = [python, "-m", "testbed.engine"]
+    for c in configs:
+        argv += ["--config", str(c)]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([python, "-m", "testbed.engine", "--config", str(config_path)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
                                 start_new_session=True, cwd="/")
-    handle = EngineHandle(spec=spec, pid=proc.pid, start_time=procs.start_time(proc.pid),
-                          config_path=str(config_path), log_path=str(log_path), rule=iptables_rule(spec),
-                          started_at=time.time())
+    start_time = procs.start_time(proc.pid)
+    handles = [EngineHandle(spec=s, pid=proc.pid, start_time=start_time, config_path=str(c),
+                            log_path=str(log_path), rule=iptables_rule(s), started_at=time.time())
+               for s, c in zip(specs, configs)]
+    added = []
     try:
         _wait_ready(proc, ready_timeout, str(log_path))
-        _iptables(spec.netns, "-A", handle.rule)
+        for h in handles:
+            _iptables(h.spec.netns, "-A", h.rule)
+            added.append(h)
     except BaseException:
+        for h in added:
+            _iptables(h.spec.netns, "-D", h.rule, check=False)
         procs.kill_group(proc.pid)  # its own process group (start_new_session)
         try:
             proc.wait(timeout=5)
@@ -212,6 +257,32 @@ def start_engine(spec: EngineSpec, python: str = sys.executable, ready_timeout: 
     finally:
         proc.stdout.close()
     _CHILDREN[proc.pid] = proc  # so that this process can reap it; a later process is not its parent
+    return handles
+
+
+def join_engine(running: EngineHandle, spec: EngineSpec, timeout: float = 10.0) -> EngineHandle:
+    """Serve `spec` by the running engine process of `running` (another direction of the same namespace): the
+    process binds the new queue (`{"cmd": "add"}` on the control socket), then the rule is added. EngineError if
+    the process refuses or does not answer (nothing is left then)."""
+    spec = _prepared(spec)
+    if spec.engine != "nfqueue" or running.spec.engine != "nfqueue":
+        raise EngineError("only NFQUEUE directions share an engine process")
+    if not engine_alive(running.pid, running.start_time):
+        raise EngineError(f"engine pid {running.pid} is not running")
+    config_path = _write_config(spec)
+    try:
+        resp = request(running.spec.control_socket, {"cmd": "add", "config": str(config_path)}, timeout=timeout)
+    except (OSError, ValueError) as e:
+        raise EngineError(f"engine pid {running.pid} ({running.spec.control_socket}): {e}") from e
+    if not resp.get("ok"):
+        raise EngineError(f"engine pid {running.pid} refused queue {spec.queue_num}: {resp.get('error')}")
+    handle = EngineHandle(spec=spec, pid=running.pid, start_time=running.start_time, config_path=str(config_path),
+                          log_path=running.log_path, rule=iptables_rule(spec), started_at=time.time())
+    try:
+        _iptables(spec.netns, "-A", handle.rule)
+    except BaseException:
+        _stop_lane(handle, timeout)
+        raise
     return handle
 
 
@@ -256,19 +327,36 @@ def stop_engine(handle: EngineHandle, timeout: float = 10.0) -> dict:
     if os.path.exists(spec.netns) and handle.rule:
         _iptables(spec.netns, "-D", handle.rule, check=False)  # already gone is fine
     if engine_alive(handle.pid, handle.start_time):
-        procs.kill(handle.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while engine_alive(handle.pid, handle.start_time) and time.monotonic() < deadline:
-            _reap(handle.pid)
-            time.sleep(0.02)
-        if engine_alive(handle.pid, handle.start_time):
-            procs.kill_group(handle.pid)
-            while engine_alive(handle.pid, handle.start_time) and time.monotonic() < deadline + 5:
-                time.sleep(0.02)
+        _stop_lane(handle, timeout)
     _reap(handle.pid)
     stats = _read_stats_file(spec.stats_file) or {"link": spec.link, "direction": spec.direction}
     stats["alive"] = False
     return stats
+
+
+def _stop_lane(handle: EngineHandle, timeout: float) -> None:
+    """Stop the direction of `handle` in its process (`{"cmd": "stop"}`: final stats written, queue unbound);
+    the process exits with its last direction. A process that does not answer serves no direction any more: it
+    gets SIGTERM, then SIGKILL of its group."""
+    pid, st = handle.pid, handle.start_time
+    deadline = time.monotonic() + timeout
+    try:
+        left = request(handle.spec.control_socket, {"cmd": "stop"}, timeout=min(2.0, timeout)).get("lanes_left", 0)
+    except (OSError, ValueError):
+        left = None
+    if left:  # others still served: wait until this direction is closed (its socket goes after its final stats)
+        while os.path.exists(handle.spec.control_socket) and engine_alive(pid, st) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return
+    if left is None:
+        procs.kill(pid, signal.SIGTERM)
+    while engine_alive(pid, st) and time.monotonic() < deadline:
+        _reap(pid)
+        time.sleep(0.02)
+    if engine_alive(pid, st):
+        procs.kill_group(pid)
+        while engine_alive(pid, st) and time.monotonic() < deadline + 5:
+            time.sleep(0.02)
 
 
 def _paths(handle_or_paths) -> tuple[str, str, int | None, int | None]:
@@ -310,6 +398,9 @@ def engine_stats(handle_or_paths, timeout: float = 2.0) -> dict:
     stats["alive"] = running
     if running:
         stats["responding"] = False
+        if stats.get("queue_num") is not None:
+            # a stalled engine's queue overflows: the kernel's counters, read in its namespace, say how much
+            stats.update(queue_drops(stats["queue_num"], f"/proc/{pid}/net/netfilter/nfnetlink_queue"))
     stats["error"] = reason
     return stats
 

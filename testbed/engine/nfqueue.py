@@ -21,7 +21,8 @@ import select
 import socket
 import struct
 
-__all__ = ["NfQueue", "NfQueueError", "SKB_CSUMNOTREADY", "SKB_GSO", "SKB_CSUM_NOTVERIFIED"]
+__all__ = ["NfQueue", "NfQueueError", "SKB_CSUMNOTREADY", "SKB_GSO", "SKB_CSUM_NOTVERIFIED", "kernel_queues",
+           "queue_drops", "PROC_QUEUES", "DROP_FIELDS"]
 
 NETLINK_NETFILTER = 12
 SOL_NETLINK = 270
@@ -80,6 +81,43 @@ _RECV_BUF = 1 << 18  # one packet message is at most ~64 KiB + headers
 
 class NfQueueError(OSError):
     pass
+
+
+# The kernel's view of the queues bound in a network namespace: this process's namespace through /proc/self,
+# another process's (e.g. a stuck engine's) through /proc/PID/net/netfilter/nfnetlink_queue.
+PROC_QUEUES = "/proc/self/net/netfilter/nfnetlink_queue"
+# Packets the kernel dropped on the way to the engine, per queue (net/netfilter/nfnetlink_queue.c):
+# queue_dropped: the queue held queue_maxlen packets (the engine fell behind); user_dropped: the packet could
+# not be delivered to the engine's socket (receive buffer full). Either is loss the engine caused, not the link.
+DROP_FIELDS = ("queue_dropped", "user_dropped")
+
+
+def kernel_queues(path: str = PROC_QUEUES) -> dict[int, dict]:
+    """Every queue bound in the namespace of `path`'s process: {queue_num: {portid, queue_total, queue_dropped,
+    user_dropped, id_sequence}}. Only bound queues are listed (the counters start at 0 when a queue is bound and
+    go with it when it is unbound). {} if the file cannot be read."""
+    out = {}
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        # "%5u %6u %5u %1u %5u %5u %5u %8u %2d": queue, portid, total, copy mode, copy range, dropped,
+        # user dropped, last packet id, 1
+        v = line.split()
+        if len(v) >= 8 and all(x.isdigit() for x in v[:8]):
+            out[int(v[0])] = {"portid": int(v[1]), "queue_total": int(v[2]), "queue_dropped": int(v[5]),
+                              "user_dropped": int(v[6]), "id_sequence": int(v[7])}
+    return out
+
+
+def queue_drops(queue_num: int, path: str = PROC_QUEUES) -> dict:
+    """{queue_dropped, user_dropped, queue_total} of one queue; None values when it is not bound there."""
+    q = kernel_queues(path).get(int(queue_num))
+    if q is None:
+        return {"queue_dropped": None, "user_dropped": None, "queue_total": None}
+    return {k: q[k] for k in ("queue_dropped", "user_dropped", "queue_total")}
 
 
 def _align(n: int) -> int:
