@@ -35,9 +35,14 @@ def describe_topology(tb) -> str:
     for s in topo.switches:
         hosts.append([s, "switch", "-", "bridge br0"])
     links = []
+    engines = tb.state.data.get("engines", {}) if tb.state else {}
     for l in topo.links:
         for dname, _, _, imp in l.directions():
-            links.append([l.name, f"{l.a} <-> {l.b}", l.mtu, dname, imp.describe()])
+            desc = imp.describe()
+            if desc.endswith(" engine auto"):  # say what auto resolved to (not started here: another machine's)
+                kind = engines.get(f"{l.name}/{dname}", {}).get("spec", {}).get("engine")
+                desc = desc[: -len("auto")] + (f"{kind} (auto)" if kind else "auto")
+            links.append([l.name, f"{l.a} <-> {l.b}", l.mtu, dname, desc])
     out = [f"topology {topo.name} ({topo.file or 'in memory'}), runtime {tb.runtime_name}", "",
            _table(hosts, ["node", "runtime", "management", "data interfaces"]), "",
            _table(links, ["link", "endpoints", "mtu", "direction", "impairments"])]
@@ -87,7 +92,8 @@ def cmd_up(args) -> int:
               f"`testbed down {topo.name}`.")
         return 0
     capture = {"dir": os.path.abspath(args.capture), "max_bytes": int(args.capture_limit * 1e6)} if args.capture else None
-    tb = Testbed.open(args.file, name=args.name, runtime=args.runtime, capture=capture, results_dir=args.out)
+    tb = Testbed.open(args.file, name=args.name, runtime=args.runtime, capture=capture, results_dir=args.out,
+                      engine_procs=args.engine_procs)
     tb.up()
     print(describe_topology(tb))
     print(f"\nup. Run commands with `testbed exec --topo {tb.name} HOST -- CMD`; remove with `testbed down {tb.name}`.")
@@ -243,10 +249,19 @@ def cmd_stats(args) -> int:
         rows.append([s.get("link"), s.get("direction"), "yes" if s.get("alive", True) else "DEAD", f"{s.get('ber', 0):g}",
                      s.get("packets", 0), s.get("bits_seen", 0), s.get("bits_flipped", 0),
                      f"{s.get('realized_ber') or 0:.3g}", s.get("packets_modified", 0), s.get("packets_unparsed", 0),
-                     s.get("flows_excluded", 0)])
+                     s.get("flows_excluded", 0), _dropped(s)])
     print(_table(rows, ["link", "direction", "alive", "ber", "packets", "bits_seen", "bits_flipped", "realized",
-                        "modified", "unparsed", "excluded"]))
+                        "modified", "unparsed", "excluded", "engine_dropped"]))
+    if any(s.get("queue_dropped") or s.get("user_dropped") for s in stats):
+        print("engine_dropped: packets the kernel dropped because an NFQUEUE engine fell behind (queue full / "
+              "socket overrun), not link loss; --json has queue_dropped and user_dropped apart")
     return rc
+
+
+def _dropped(s: dict) -> str:
+    """queue_dropped + user_dropped, or "-" where the engine has no queue (bpf) or the counters are unknown."""
+    q, u = s.get("queue_dropped"), s.get("user_dropped")
+    return "-" if q is None and u is None else str((q or 0) + (u or 0))
 
 
 def cmd_link_set(args) -> int:
@@ -406,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "output): place the hosts on them over SSH (docs/machines.md)")
     s.add_argument("--vxlan-port", type=int, default=4789, metavar="PORT",
                    help="UDP port of the VXLAN tunnels between machines (default 4789)")
+    s.add_argument("--engine-procs", choices=["host", "direction"], default=None,
+                   help="NFQUEUE engine processes: one per host serving all of its corrupted directions, or one "
+                        "per direction (default: $TESTBED_ENGINE_PROCS, else host; docs/engine.md)")
     s.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("down", help="tear a topology down", description="Remove everything a topology made. "
@@ -436,7 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("stats", help="corruption counters of a running topology",
                        description="Per link direction: packets, eligible bits seen, bits flipped, realized BER, "
-                                   "packets modified/unparsed, flows excluded. Exit 1 if an engine is dead.")
+                                   "packets modified/unparsed, flows excluded, and packets the kernel dropped "
+                                   "on the way to an NFQUEUE engine (engine_dropped = queue_dropped + "
+                                   "user_dropped: its queue full or its socket overrun; engine-caused loss, not "
+                                   "link loss). Exit 1 if an engine is dead.")
     s.add_argument("--topo", metavar="NAME")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_stats)
@@ -503,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions():
     """Commands that live with their subsystems (training, experiments, benchmarks, images)."""
     regs = []
-    for mod in ("testbed.train.cli", "testbed.experiments.cli", "testbed.runtime.image_cli"):
+    for mod in ("testbed.train.cli", "testbed.experiments.cli", "testbed.runtime.image_cli", "testbed.locate.cli"):
         try:
             m = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -154,6 +154,8 @@ def test_fingerprints_are_per_recipe_and_unchanged_without_recipes(tmp_path):
     import hashlib
     import json
 
+    from testbed.experiments.spec import LATER_DEFAULTS
+
     exp = Experiment.load(write(tmp_path, RECIPES, "recipes.yaml"))
     more = RECIPES.replace("  bf16:", "  fp16: {train: {wire_dtype: fp16}}\n  bf16:")
     one_more = Experiment.load(write(tmp_path, more, "more.yaml"))
@@ -166,7 +168,9 @@ def test_fingerprints_are_per_recipe_and_unchanged_without_recipes(tmp_path):
         "recipe: [default, sanitize, protect, bf16]", "recipe: [default]"), "plain.yaml"))
     assert plain.fingerprint() == fps["default"]
     d = plain.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies", "recipes",
-                                       "tokens_per_step"})
+                                       "tokens_per_step", "fault"})
+    for k in LATER_DEFAULTS:  # settings added since: absent from the hash at their defaults
+        assert d["train"].pop(k) == LATER_DEFAULTS[k]
     d["topologies"] = {m: hashlib.sha256(PAIR.read_bytes()).hexdigest() for m in ("ddp", "pp")}
     d["runtime"] = "netns"
     assert plain.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -48,13 +48,13 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
     point = f"{mode}-ber{ber:g}-{scope}-{checksum}{tag}-s{seed}"
     recipe_fields = dict.fromkeys(("lost_step_fraction", "sanitized_values", "frozen_values", "initial_eval_loss",
                                    "made_progress", "flips_sign", "flips_exponent", "flips_mantissa", "bits_exposed",
-                                   "tokens_per_step", "optimizer", "clip", "guard", "sanitize_threshold",
+                                   "queue_dropped", "user_dropped", "tokens_per_step", "optimizer", "clip", "guard", "sanitize_threshold",
                                    "wire_dtype", "wire_bytes_per_step", "element", "protect", "protected_ber"))
     return results.new_row(**{
         "point": point, "baseline": f"{mode}-ber0-{scope}-{checksum}{tag}-s{seed}", "experiment": "quick",
         "recipe": recipe, **recipe_fields,
         "fingerprint": "0123456789abcdef", "mode": mode, "ber": ber, "scope": scope, "checksum": checksum,
-        "seed": seed, "model": "tiny", "steps": STEPS, "topology": "pair", "runtime": "netns", "world_size": 2,
+        "seed": seed, "model": "tiny", "steps": STEPS, "topology": "pair", "runtime": "netns", "injector": "wire", "world_size": 2,
         "status": status, "reason": None if ok else f"rank 1 {status} at step 12",
         "steps_completed": STEPS if ok else 12,
         "skipped_steps": (3 if (mode, ber) == ("ddp", 1e-4) else 0) if ok else None,
@@ -74,6 +74,7 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
         "collectives": ["allreduce" if mode == "ddp" else "p2p"],
         "machine": {"uname": "Linux test 6.1 x86_64", "cpus": 2, "hostname": "test"},
         "wall_time_s": 40.0, "finished_at": 1.7e9 + 60 * seed, "image_digest": None, "placement": None,
+        "fault_link": None, "locate": None,  # not a fault-localisation experiment
         "run_dir": f"points/{point}",
     } | fields)
 

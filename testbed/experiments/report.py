@@ -23,7 +23,9 @@ from datetime import datetime
 from pathlib import Path
 
 from ..fileio import read_jsonl, write_atomic
+from ..locate.scores import locate_section
 from . import plots, theory
+from .calibration import calibration_section
 from .analysis import (DEFAULT_N_STD, DEFAULT_TOLERANCE, LATENCY_STATS, PUBLISHED_TOLERATED_BER, aggregate,
                        deviation_fits, interval, latency_entries, orderings, point_config, published_verdict,
                        retransmission_penalties, sum_or_none, theory_comparison, thresholds, values_of)
@@ -699,6 +701,8 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
                "Full per-run values: [summary.csv](summary.csv).", ""]
     else:
         md += ["No results: results.jsonl is missing or empty.", ""]
+    md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
+    md += locate_section(rows)  # experiments with monitored points (docs/locate.md); nothing otherwise
     md += ["## Thresholds: up to which BER does training match a clean link?", "",
            f"A BER passes when every seed ends ok with an eval loss and the mean eval-loss gap to the clean runs is "
            f"at most the tolerance = max({tolerance:g} x the clean mean, {n_std:g} x the clean seeds' standard "

@@ -77,7 +77,8 @@ FIELDS: tuple[Field, ...] = (
     _f("fingerprint", "str", "hash of everything but the grid (a re-run reuses a point only if it matches)",
        error=True),
     _f("mode", "str", "grid coordinate: `ddp` or `pp`", error=True),
-    _f("ber", "float", "grid coordinate: bit error rate of every link direction", error=True),
+    _f("ber", "float", "grid coordinate: bit error rate of every link direction (with a `fault:`, of the "
+                       "fault link only)", error=True),
     _f("scope", "str", "grid coordinate: what the engine corrupts (`payload`, `all`, `tensor`)", error=True),
     _f("checksum", "str", "grid coordinate: `fix` (errored segments delivered) or `keep` (dropped, resent)",
        error=True),
@@ -85,7 +86,10 @@ FIELDS: tuple[Field, ...] = (
     _f("model", "str", "GPT-2 preset (`tiny`, `small`, `gpt2-124m`)", error=True),
     _f("steps", "int", "training steps requested", error=True),
     _f("topology", "str?", "name of the topology the point trained on"),
-    _f("runtime", "str", "where hosts lived: `netns` or `docker`", error=True),
+    _f("runtime", "str", "where hosts lived: `netns` or `docker`; `loopback` for injector process (local "
+                         "processes, no hosts)", error=True),
+    _f("injector", "str", "where the bit errors happened: `wire` (engines on the emulated links) or `process` "
+                          "(the same error models inside the workers; docs/injector.md)", error=True),
     _f("world_size", "int?", "ranks (one per host)"),
     _f("status", "str", "`ok`, `crashed`, `hung`, `diverged`, `invalid` (an engine died), `error` (set-up failed)",
        error=True),
@@ -114,6 +118,10 @@ FIELDS: tuple[Field, ...] = (
     _f("flips_exponent", "int?", "flips of exponent bits"),
     _f("flips_mantissa", "int?", "flips of mantissa bits"),
     _f("bits_exposed", "int?", "bits the engines could flip at the full BER (not protected)"),
+    _f("queue_dropped", "int?", "engine counters over the run, summed: packets the kernel dropped because an NFQUEUE "
+                                "engine's queue was full (loss the engine caused, not the link; bpf engines have "
+                                "no queue: 0); null: no engine"),
+    _f("user_dropped", "int?", "the same, because the engine's socket was overrun"),
     _f("nonfinite_received_total", "int?", "values that arrived non-finite"),
     _f("corrupted_values_total", "int?", "gradient elements that differed from the clean reference (DDP)"),
     _f("deviation_curve", "list", "[[step, float]]: estimated L2 distance of the parameters from the baseline run "
@@ -145,6 +153,12 @@ FIELDS: tuple[Field, ...] = (
     _f("machine", "dict", "`uname`, `cpus`, `hostname` of the machine that ran the point"),
     _f("placement", "dict?", "{host: machine}: where every host ran when the point ran across machines "
                              "(`testbed run --machines`); null: all on this machine"),
+    _f("fault_link", "str?", "experiments with a `fault:`: the one link at the point's BER (both directions; the "
+                             "others at the background BER), the ground truth the detectors are scored against; "
+                             "null: every link at the point's BER, or a clean point"),
+    _f("locate", "dict?", "monitored points (`train: {monitor: true}`): `steps_observed`, per detector `scores` "
+                          "({detected, link, step, top, correct, false_alarm}) and its top 3 `suspects` "
+                          "(docs/locate.md); null: not monitored"),
     _f("wall_time_s", "float?", "training wall time, s"),
     _f("finished_at", "float", "when the point finished, seconds since the epoch", error=True),
     _f("image_digest", "str?", "worker image digest (docker runtime)"),

@@ -92,7 +92,8 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     row = new_row(
         point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, fingerprint=None,
         **point.params(), model=exp.spec.model, steps=exp.spec.steps,
-        topology=summary.get("topology"), runtime=summary.get("runtime"), world_size=summary.get("world_size"),
+        topology=summary.get("topology"), runtime=summary.get("runtime"), injector=cfg_field(summary, "injector"),
+        world_size=summary.get("world_size"),
         status=summary.get("status"), reason=summary.get("reason"),
         steps_completed=summary.get("steps_completed", 0), skipped_steps=summary.get("skipped_steps", 0),
         lost_step_fraction=_finite(summary.get("lost_step_fraction")),
@@ -106,7 +107,8 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         median_step_time_s=summary.get("median_step_time_s"), median_comm_time_s=summary.get("median_comm_time_s"),
         bits_seen=summary.get("bits_seen"), bits_flipped=summary.get("bits_flipped"),
         realized_ber=summary.get("realized_ber"),
-        **{k: engine_total(summary, k) for k in ("flips_sign", "flips_exponent", "flips_mantissa", "bits_exposed")},
+        **{k: engine_total(summary, k) for k in ("flips_sign", "flips_exponent", "flips_mantissa", "bits_exposed",
+                                                 "queue_dropped", "user_dropped")},
         nonfinite_received_total=summary.get("nonfinite_received_total"),
         corrupted_values_total=summary.get("corrupted_values_total"),
         deviation_curve=[], final_deviation=None, final_deviation_exact=None,
@@ -124,6 +126,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         machine={"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
         wall_time_s=summary.get("wall_time_s"), finished_at=time.time(), image_digest=summary.get("image_digest"),
         placement=summary.get("machines"),
+        fault_link=exp.fault_link(point), locate=locate_fields(run_dir, exp.fault_link(point)),
         run_dir=str(run_dir.relative_to(run_dir.parent.parent)),
     )
     if baseline_dir is not None and baseline_dir != run_dir and (baseline_dir / "metrics.jsonl").exists():
@@ -159,6 +162,19 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         elif row["replica_divergence_curve"]:
             row["final_replica_divergence"] = row["replica_divergence_curve"][-1][1]
     return row
+
+
+def locate_fields(run_dir: Path, fault_link: str | None) -> dict | None:
+    """The detectors' verdicts on a monitored point (testbed/locate), scored against its fault link; None when
+    the point was not monitored."""
+    from ..locate.detectors import NotMonitored, load, locate, score
+
+    try:
+        result = locate(load(run_dir))
+    except (NotMonitored, FileNotFoundError, ValueError, KeyError):
+        return None
+    return {"steps_observed": result["steps_observed"], "scores": score(result, fault_link),
+            "suspects": {d: r["suspects"][:3] for d, r in result["detectors"].items()}}
 
 
 def engine_total(summary: dict, key: str) -> int | None:
@@ -228,7 +244,12 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
     if run_dir.exists():
         shutil.rmtree(run_dir)  # an interrupted attempt: start the point afresh
     try:  # the collectives a tensor-scope point corrupts come with its config (train_config)
-        summary = train(exp.topology(point.mode), train_config(exp, point), run_dir, ber=point.ber,
+        topo, ber, fault = exp.topology(point.mode, point.recipe), point.ber, exp.fault_link(point)
+        if fault:  # one link at the point's BER, the others at the background (docs/locate.md)
+            from ..locate.faults import with_fault
+
+            topo, ber = with_fault(topo, fault, point.ber, exp.spec.fault.background_ber), None
+        summary = train(topo, train_config(exp, point), run_dir, ber=ber,
                         scope=point.scope, checksum=point.checksum, runtime=runtime, name=name, log=lambda m: None,
                         machines=machines, **exp.link_settings(point))
     except KeyboardInterrupt:
@@ -236,6 +257,7 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
     except Exception as e:
         return error_row(point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, fingerprint=fp,
                          **point.params(), model=exp.spec.model, steps=exp.spec.steps, runtime=runtime or "netns",
+                         injector=train_config(exp, point).injector,
                          status="error", reason=f"{type(e).__name__}: {e}", steps_completed=0,
                          finished_at=time.time(), run_dir=f"points/{point.id}")
     base = out / "points" / point.baseline.id

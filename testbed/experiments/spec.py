@@ -85,6 +85,11 @@ PartialTrainSpec = train_spec(partial=True)
 ModelName = Literal[tuple(PRESETS)]
 
 
+# Training settings added after results had been published, with their defaults: a point that leaves them so
+# keeps its earlier fingerprint (finished points stay reusable); any other value is part of the hash.
+LATER_DEFAULTS = {"injector": "wire", "device": "cpu", "monitor": False}
+
+
 class LatencySpec(_Strict):
     topology: str
     link: str | None = None
@@ -106,6 +111,16 @@ class RecipeSpec(_Strict):
     description: str | None = None
     train: PartialTrainSpec = Field(default_factory=PartialTrainSpec)
     link: LinkSpec = Field(default_factory=LinkSpec)
+    topology: str | None = Field(default=None, description="this recipe's topology file, for every mode "
+                                                            "(instead of `topologies`)")
+
+
+class FaultSpec(_Strict):
+    """Fault localisation (docs/locate.md): at a point of BER > 0 only one link has that BER (both directions),
+    every other link `background_ber`; BER 0 points are all clean. `link: random` draws the link per seed
+    (testbed/locate/faults.py: the same link for a seed's keep and fix points); a name fixes it."""
+    link: str = "random"
+    background_ber: Ber = 0.0
 
 
 class ExperimentFile(_Strict):
@@ -120,6 +135,7 @@ class ExperimentFile(_Strict):
     grid: GridSpec
     train: TrainSpec = Field(default_factory=TrainSpec)
     latency: LatencySpec | None = None
+    fault: FaultSpec | None = None
     point_timeout: float = Field(default=1800, gt=0, description="wall-clock limit per point (s)")
 
 
@@ -183,8 +199,16 @@ class Experiment:
                 exp.topology(mode)
             except TopologyError as e:
                 problems.append((f"topologies.{mode}", str(e)))
+        for name, r in spec.recipes.items():
+            if r.topology is not None:
+                try:
+                    Topology.load(exp.resolve(r.topology))
+                except TopologyError as e:
+                    problems.append((f"recipes.{name}.topology", str(e)))
         if not problems:
             problems += exp._recipe_problems()
+        if not problems and spec.fault is not None:
+            problems += exp._fault_problems()
         if spec.latency is not None:
             # checked now, not after the training points (which may take hours)
             try:
@@ -229,7 +253,8 @@ class Experiment:
         for name in [None, *dict.fromkeys(spec.grid.recipe)]:  # None: the file's train: alone
             for mode in spec.grid.mode:
                 try:
-                    self._settings(Point(mode, 0.0, "tensor", "fix", 0), self.recipe(name) if name else None)
+                    self._settings(Point(mode, 0.0, "tensor", "fix", 0, name or DEFAULT_RECIPE),
+                                   self.recipe(name) if name else None)
                 except ValueError as e:
                     path = "tokens_per_step" if "tokens_per_step" in str(e) else (
                         f"recipes.{name}.train" if name else "train")
@@ -255,16 +280,51 @@ class Experiment:
                                  "at most as often as the line)"))
         return problems
 
-    def topology(self, mode: str) -> Topology:
-        return Topology.load(self.resolve(self.spec.topologies[mode]))
+    def topology(self, mode: str, recipe: str | None = None) -> Topology:
+        """The topology of a mode's points, or of a recipe's when the recipe names its own."""
+        own = self.recipe(recipe).topology if recipe else None
+        return Topology.load(self.resolve(own or self.spec.topologies[mode]))
+
+    def fault_link(self, point: Point) -> str | None:
+        """The link that carries the point's BER when the file has a `fault:` (None: every link does, or the
+        point is clean). Ground truth for scoring the detectors; they are never told."""
+        f = self.spec.fault
+        if f is None or point.ber == 0:
+            return None
+        if f.link != "random":
+            return f.link
+        from ..locate.faults import pick_link
+
+        return pick_link(self.topology(point.mode, point.recipe), point.seed)
+
+    def _fault_problems(self) -> list[tuple[str, str]]:
+        """fault.link exists in every topology the grid uses; the background is below every faulty BER."""
+        from ..locate.faults import candidate_links
+
+        f, problems = self.spec.fault, []
+        bers = [b for b in self.spec.grid.ber if b > 0]
+        if not bers:
+            problems.append(("grid.ber", "a fault needs a BER > 0 (the bad link's); BER 0 points are the clean runs"))
+        elif f.background_ber >= min(bers):
+            problems.append(("fault.background_ber", f"must be below the grid's smallest BER > 0, {min(bers):g} "
+                                                     "(the bad link must be worse than the others)"))
+        if f.link != "random":
+            for mode in self.spec.grid.mode:
+                for name in dict.fromkeys(self.spec.grid.recipe):
+                    topo = self.topology(mode, name)
+                    if f.link not in candidate_links(topo):
+                        problems.append(("fault.link", f"no link {f.link!r} that can carry errors in topology "
+                                                       f"{topo.name} (links: {', '.join(candidate_links(topo))}), "
+                                                       "or `random`"))
+        return problems
 
     def recipe(self, name: str) -> RecipeSpec:
         """A recipe by name; `default` is the empty recipe unless the file defines it."""
         return self.spec.recipes.get(name) or RecipeSpec()
 
-    def world_size(self, mode: str, hosts: int | None = None) -> int:
+    def world_size(self, mode: str, hosts: int | None = None, recipe: str | None = None) -> int:
         """Ranks of a mode's points: the topology's hosts, or the first `hosts` of them."""
-        n = len(self.topology(mode).hosts)
+        n = len(self.topology(mode, recipe).hosts)
         return min(n, hosts) if hosts else n
 
     def train_settings(self, point: Point) -> "settings.TrainSettings":
@@ -282,12 +342,12 @@ class Experiment:
         tokens = self.spec.tokens_per_step
         if tokens is not None:
             seq = t["seq_len"] or PRESETS[self.spec.model].n_positions
-            per = seq * (self.world_size(point.mode, t["hosts"]) if point.mode == "ddp" else 1)
+            per = seq * (self.world_size(point.mode, t["hosts"], point.recipe) if point.mode == "ddp" else 1)
             if tokens % per:
                 what = "seq_len x ranks" if point.mode == "ddp" else "seq_len"
                 raise ValueError(f"tokens_per_step {tokens} is not a multiple of {what} = {per}")
             t["batch_size"] = tokens // per
-            micro = t["microbatches"] or self.world_size(point.mode, t["hosts"])
+            micro = t["microbatches"] or self.world_size(point.mode, t["hosts"], point.recipe)
             if point.mode == "pp" and t["batch_size"] % micro:
                 raise ValueError(f"tokens_per_step {tokens} gives a batch of {t['batch_size']} sequences, not a "
                                  f"multiple of {micro} micro-batches")
@@ -298,7 +358,8 @@ class Experiment:
         """Tokens per optimizer step: batch x seq_len, times the ranks for DDP (PP's batch is global)."""
         cfg = self.train_settings(point)
         seq = cfg.seq_len or PRESETS[cfg.model].n_positions
-        return cfg.batch_size * seq * (self.world_size(point.mode, cfg.hosts) if point.mode == "ddp" else 1)
+        return cfg.batch_size * seq * (self.world_size(point.mode, cfg.hosts, point.recipe) if point.mode == "ddp"
+                                       else 1)
 
     def link_settings(self, point: Point) -> dict:
         """The recipe's link settings that train() applies to every link, unset ones left out. element defaults
@@ -330,15 +391,22 @@ class Experiment:
         contents and the runtime. A re-run reuses a finished point only if it matches. A file without recipes
         and tokens_per_step hashes as it did before they existed."""
         d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies",
-                                          "recipes", "tokens_per_step"})
+                                          "recipes", "tokens_per_step", "fault"})
         r = self.recipe(recipe)
         d["train"].update(r.train.model_dump(exclude_unset=True))
+        for k, v in LATER_DEFAULTS.items():  # at their defaults, settings added later leave the hash as it was
+            if d["train"].get(k) == v:
+                del d["train"][k]
         if r.link.model_dump(exclude_none=True):
             d["link"] = r.link.model_dump(exclude_none=True)
         if self.spec.tokens_per_step is not None:
             d["tokens_per_step"] = self.spec.tokens_per_step
         d["topologies"] = {m: hashlib.sha256(self.resolve(f).read_bytes()).hexdigest()
                            for m, f in sorted(self.spec.topologies.items())}
+        if r.topology:
+            d["topologies"]["recipe"] = hashlib.sha256(self.resolve(r.topology).read_bytes()).hexdigest()
+        if self.spec.fault is not None:
+            d["fault"] = self.spec.fault.model_dump()
         d["runtime"] = runtime or self.spec.runtime or "netns"
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -348,4 +416,7 @@ class Experiment:
         raw["topologies"] = {m: str(self.resolve(f).resolve()) for m, f in raw["topologies"].items()}
         if raw.get("latency"):
             raw["latency"]["topology"] = str(self.resolve(raw["latency"]["topology"]).resolve())
+        for r in (raw.get("recipes") or {}).values():
+            if isinstance(r, dict) and r.get("topology"):
+                r["topology"] = str(self.resolve(r["topology"]).resolve())
         return yaml.safe_dump(raw, sort_keys=False)

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from ..cluster import ClusterTestbed, cluster_of
+from ..locate.launcher import monitoring
 from ..net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME, Testbed
 from ..state import write_json_atomic
 from ..topo import Topology
@@ -74,8 +75,9 @@ def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dic
     started = time.time()
     log(f"training {cfg.mode} {cfg.model} on {topo.name} ({tb.runtime_name}): {len(hosts)} ranks on "
         f"{', '.join(hosts)}, {cfg.steps} steps")
-    summary = run_workers(spawn, len(hosts), cfg.worker_argv(), run_dir, env_for_rank,
-                          timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
+    with monitoring(tb, cfg, run_dir, hosts):  # --monitor: monitor.json, the engines' counters while it runs
+        summary = run_workers(spawn, len(hosts), cfg.worker_argv(), run_dir, env_for_rank,
+                              timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
     _finish(tb, summary, before, hosts, started, cfg)
     if tb.runtime_name == "docker":
         from ..runtime.image import image_digest
@@ -121,8 +123,9 @@ def _train_across_machines(tb: ClusterTestbed, cfg: TrainSettings, out: Path, ho
         + ", ".join(f"{h}@{m}" for h, m in placed.items()) + f", {cfg.steps} steps")
     with tb.workers(out, hosts, PASSED_ENV) as workers:
         workers.prepare_data(cfg.model, cfg.data)
-        summary = run_workers(workers.spawn, len(hosts), cfg.worker_argv(), out, _rank_env(tb, hosts),
-                              timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
+        with monitoring(tb, cfg, out, hosts):
+            summary = run_workers(workers.spawn, len(hosts), cfg.worker_argv(), out, _rank_env(tb, hosts),
+                                  timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
     _finish(tb, summary, before, hosts, started, cfg)
     summary["machines"] = placed  # where every host ran
     write_json_atomic(out / "summary.json", summary)
@@ -140,6 +143,9 @@ def _finish(tb, summary: dict, before: dict, hosts: list[str], started: float, c
         "topology": topo.name, "topology_file": topo.file, "runtime": tb.runtime_name, "hosts": hosts,
         "ber": sorted({e["ber"] for e in engines if e["ber"] is not None}) or [0.0],
         "bits_seen": seen, "bits_flipped": flipped, "realized_ber": flipped / seen if seen else None,
+        # packets the kernel dropped on the way to an NFQUEUE engine: loss the engine caused, never link loss
+        "queue_dropped": sum(e.get("queue_dropped") or 0 for e in engines),
+        "user_dropped": sum(e.get("user_dropped") or 0 for e in engines),
         "engines": engines, "config": dataclasses.asdict(cfg), "started_at": started,
     })
     dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
@@ -193,8 +199,14 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
     collectives = collectives if collectives is not None else cfg.collectives
     if scope == "tensor" and collectives is None:
         collectives = DEFAULT_COLLECTIVES[cfg.mode]
+        if cfg.monitor and "p2p" not in collectives:  # the monitor's probes are p2p: corrupt them like training
+            collectives = [*collectives, "p2p"]
     overrides = {"ber": ber, "scope": scope, "checksum": checksum, "collectives": collectives,
                  "protect": protect, "element": element, "protected_ber": protected_ber}
+    if cfg.injector == "process":  # no topology brought up: the error models run inside the workers
+        if machines is not None:
+            raise ValueError("injector process runs its workers on this machine: --machines does not apply")
+        return train_process(topology, cfg, out, overrides, log=log)
     if isinstance(topology, str) and cluster_of(topology) is not None:
         if any(v is not None for v in overrides.values()):
             raise ValueError(f"{topology} spans machines: set its links with `testbed link set`, or give the "
@@ -256,4 +268,81 @@ def summary_line(s: dict) -> str:
         if s.get(key):
             parts.append(f"{word} {s[key]:,}")
     parts.append(f"bits flipped {s.get('bits_flipped', 0):,} of {s.get('bits_seen', 0):,} eligible")
+    dropped = (s.get("queue_dropped") or 0) + (s.get("user_dropped") or 0)
+    if dropped:
+        parts.append(f"{dropped:,} packets dropped by the kernel on the way to an engine (engine-caused loss)")
     return f"{outcome_word(s)}: " + ", ".join(parts) + (f" ({s['reason']})" if s.get("reason") else "")
+
+
+# -- the process injector (testbed/train/inject.py): the same training, errors applied inside the workers --
+
+
+def train_process(topology, cfg, out, overrides, log=print):
+    """Run a training with the process injector: the topology's hosts give the world size, its link directions
+    (with `overrides` applied, as the wire's run would) each hop's settings; workers run here on loopback."""
+    import json
+
+    from ..train.inject import hop_settings, resolve_device
+    from ..train.launch import local_spawn, loopback_env, run_workers
+
+    if not isinstance(topology, Topology):
+        raise ValueError(f"injector process needs a topology file (for its hosts and link settings), not the name "
+                         f"of a topology that is up ({topology})")
+    collectives = overrides.get("collectives")
+    if collectives is not None and sorted(collectives) != DEFAULT_COLLECTIVES[cfg.mode]:
+        raise ValueError(f"injector process corrupts {DEFAULT_COLLECTIVES[cfg.mode][0]} traffic in {cfg.mode}; "
+                         f"collectives {','.join(collectives)} is not modelled")
+    if cfg.device == "cuda":
+        resolve_device("cuda")  # fail here, clearly, before any worker starts
+    topo = topology.with_overrides(**{k: v for k, v in overrides.items() if k != "collectives"})
+    hosts = worker_hosts(topo, cfg)
+    hops = hop_settings(topo, hosts, cfg.mode)
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.glob("inject-rank*.json"):
+        p.unlink()
+    prepare_data(cfg, log=lambda m: log(f"data: {m}"))
+    bers = sorted({h["ber"] for h in hops})
+    log(f"training {cfg.mode} {cfg.model} with the process injector ({len(hosts)} local ranks on loopback, "
+        f"{cfg.device}; hops of {topo.name}: BER {', '.join(f'{b:g}' for b in bers)}), {cfg.steps} steps")
+    argv = cfg.worker_argv() + ["--inject-hops", json.dumps(hops)]
+    started = time.time()
+    summary = run_workers(local_spawn(out), len(hosts), argv, out, loopback_env(), timeout_s=cfg.run_timeout,
+                          stall_timeout_s=cfg.stall_timeout, log=log)
+    engines = hop_counters(out, hops)
+    seen = sum(e["bits_seen"] for e in engines)
+    flipped = sum(e["bits_flipped"] for e in engines)
+    blame_the_wire(summary, flipped)
+    summary.update({
+        "topology": topo.name, "topology_file": topo.file, "runtime": "loopback", "injector": "process",
+        "hosts": hosts, "ber": bers, "bits_seen": seen, "bits_flipped": flipped,
+        "realized_ber": flipped / seen if seen else None, "engines": engines,
+        "config": dataclasses.asdict(cfg), "started_at": started})
+    write_json_atomic(out / "summary.json", summary)
+    return summary
+
+
+def hop_counters(run_dir, hops):
+    """Per hop, the counters its receiver saved, in the fields the wire's engines report (net.COUNTER_FIELDS,
+    FIELD_COUNTERS); packets and flows do not exist here (null)."""
+    import json
+
+    from ..engine.protect import FIELDS
+
+    saved = {}
+    for p in Path(run_dir).glob("inject-rank*.json"):
+        try:
+            for h in json.loads(p.read_text())["hops"]:
+                saved[(h["src"], h["dst"])] = h
+        except (OSError, ValueError, KeyError):
+            continue
+    out = []
+    for h in hops:
+        c = saved.get((h["src"], h["dst"]), {})
+        seen = c.get("bits_seen", 0)
+        out.append({"link": h["link"], "direction": h["direction"], "alive": True, "ber": h["ber"],
+                    "scope": "tensor", "checksum": "fix", "bits_seen": seen, "bits_flipped": c.get("bits_flipped", 0),
+                    "bits_exposed": seen - c.get("bits_protected", 0), "flips_protected": c.get("flips_protected", 0),
+                    **{f"flips_{f}": c.get(f"flips_{f}", 0) for f in FIELDS},
+                    "packets_modified": None, "flows_desynced": None})
+    return out

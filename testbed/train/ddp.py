@@ -33,10 +33,12 @@ def differing(a, b):
 
 
 class DDPTrainer:
-    def __init__(self, model, args, data, rank, world_size, mgmt, debug):
+    def __init__(self, model, args, data, rank, world_size, mgmt, debug, inject=None):
         self.args, self.data, self.rank, self.world_size = args, data, rank, world_size
         self.mgmt = mgmt  # raw ProcessGroupGloo on the management interface
         self.debug = debug  # DebugInjector
+        self.inject = inject  # inject.ProcessInjector (injector process): the ring allreduce that corrupts per hop
+        self.device = next(model.parameters()).device
         self.module = model
         # init_sync=False: every rank built the same parameters from the same seed, so DDP's setup broadcast
         # is skipped and the only traffic on the data link is the gradient allreduce the hook accounts for.
@@ -49,6 +51,7 @@ class DDPTrainer:
         self.step = 0
         self.stats = {}
         self.clean = {}  # bucket index -> reference buffer
+        self.comm_log = []
 
     def named_parameters(self):
         return list(self.module.named_parameters())
@@ -70,14 +73,24 @@ class DDPTrainer:
         t0 = time.perf_counter()
         # Synchronous on purpose: the result must be known here to count and compare it (no overlap with
         # backward of later buckets; comm_time_s is exactly the time spent waiting for the data link).
-        dist.all_reduce(wire)
-        st["comm_time_s"] += time.perf_counter() - t0
+        if self.inject is not None:
+            self.inject.allreduce(wire)
+        else:
+            dist.all_reduce(wire)
+        dt = time.perf_counter() - t0
+        st["comm_time_s"] += dt
+        # per bucket, for --monitor (testbed/locate): what each collective moved and how long it took
+        self.comm_log.append({"op": "allreduce", "bucket": bucket.index(),
+                              "bytes": wire.numel() * wire.element_size(), "time_s": dt})
         if bucket.index() == 0:
             self.debug.corrupt(wire, self.step)  # test hook: simulate a corrupted value arriving from the wire
         st["nonfinite_received"] += nonfinite(wire)
         if clean is not None:
             t0 = time.perf_counter()
-            self.mgmt.allreduce([clean]).wait()
+            if self.inject is not None:  # the same ring, clean: the same summation order, so like with like
+                self.inject.allreduce(clean, self.mgmt, corrupt=False)
+            else:
+                self.mgmt.allreduce([clean]).wait()
             st["reference_time_s"] += time.perf_counter() - t0
             # compare bits, not values: NaN != NaN and -0.0 == 0.0 would both mislead
             st["corrupted_values"] += differing(wire, clean)
@@ -94,11 +107,13 @@ class DDPTrainer:
 
     def train_step(self, step):
         self.step = step
+        self.comm_log = []
         self.stats = {"nonfinite_sent": 0, "nonfinite_received": 0, "allreduce_elements": 0, "wire_bytes": 0,
                       "sanitized": 0, "comm_time_s": 0.0, "reference_time_s": 0.0,
                       "corrupted_values": 0 if self.args.reference else None}
         a = self.args
         x, y = get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, self.rank)
+        x, y = x.to(self.device), y.to(self.device)
         loss = F.cross_entropy(logits_of(self.model, x).flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # runs the comm hook once per bucket
@@ -136,5 +151,6 @@ class DDPTrainer:
         losses = []
         for i in range(a.eval_batches):
             x, y = get_eval_batch(self.data.val, a.batch_size, a.seq_len, i)
+            x, y = x.to(self.device), y.to(self.device)
             losses.append(float(F.cross_entropy(logits_of(self.module, x).flatten(0, 1), y.flatten())))
         return sum(losses) / len(losses)

@@ -46,11 +46,12 @@ def lm_loss(logits, target):
 
 
 class PPTrainer:
-    def __init__(self, model, args, data, rank, world_size, mgmt, debug, eval_group=None):
+    def __init__(self, model, args, data, rank, world_size, mgmt, debug, eval_group=None, inject=None):
         if args.batch_size % args.microbatches:
             raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --microbatches {args.microbatches}")
         self.args, self.data, self.rank, self.world_size = args, data, rank, world_size
         self.mgmt, self.debug = mgmt, debug
+        self.inject = inject  # inject.ProcessInjector (injector process): flips what each stage boundary delivers
         self.first, self.last = rank == 0, rank == world_size - 1
         cfg = model.config
         self.module = split_stages(model, world_size)[rank]  # the other stages' tensors are freed with `model`
@@ -108,6 +109,8 @@ class PPTrainer:
         if self.counting:
             with torch.no_grad():
                 self.debug.corrupt(x, self.step)
+                if self.inject is not None:
+                    self.inject.corrupt_received(x, self.rank - 1)  # hop s-1 -> s
                 clean = self._received(x, "nonfinite_activations")
                 if clean is not x:
                     x.copy_(clean)  # in place: the pipeline holds this leaf for the backward pass
@@ -121,6 +124,9 @@ class PPTrainer:
         if self.debug.active:  # test hook, on a copy: a tensor hook must not change its argument
             grad = grad.clone()
             self.debug.corrupt(grad, self.step)
+        if self.inject is not None:  # hop s+1 -> s; a copy, as above
+            grad = grad.clone()
+            self.inject.corrupt_received(grad, self.rank + 1)
         return self._received(grad, "nonfinite_gradients")
 
     def _run(self, fn, x, y):

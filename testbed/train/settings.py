@@ -230,6 +230,17 @@ class TrainSettings:
     max_skips: int = setting(0, "more consecutive skipped steps than this end the run as diverged; 0: no limit",
                              ge=0)
     save_final: bool | None = setting(None, "save final-rank{R}.pt (default: below 50M parameters per rank)")
+    # where the bit errors happen (docs/injector.md)
+    injector: str = setting("wire", "wire: bits flipped on the emulated links (engines on a topology that is brought "
+                                    "up); process: the same error models applied inside the workers, run here on "
+                                    "loopback with the topology's world size and link settings (DDP: a ring "
+                                    "allreduce corrupted per hop; PP: each stage boundary)", choices=("wire", "process"))
+    device: str = setting("cpu", "where the workers compute: cpu, or cuda (injector process, ddp only: flips drawn "
+                                 "and applied on the GPU)", choices=("cpu", "cuda"))
+    monitor: bool = setting(False, "fault localisation (docs/locate.md): after every step, time a probe to each "
+                                   "ring neighbour over the data link and checksum it over the management "
+                                   "network, and record per-bucket collective times and the host's TCP "
+                                   "counters in the metrics row's `monitor`; `testbed locate RUN_DIR` reads them")
     # the launcher's own settings: not passed to the workers
     hosts: int | None = setting(None, "use only the first N hosts of the topology (default: all)", ge=2,
                                 worker=False)
@@ -254,6 +265,9 @@ class TrainSettings:
         context = PRESETS[self.model].n_positions
         if self.seq_len is not None and self.seq_len > context:
             raise ValueError(f"seq_len: must be <= {context} (the context of {self.model}), got {self.seq_len}")
+        if self.device == "cuda" and (self.injector != "process" or self.mode != "ddp"):
+            raise ValueError("device: cuda needs injector process and mode ddp (the wire's hosts and PP's "
+                             f"pipeline run on CPU), got injector {self.injector}, mode {self.mode}")
         if self.mode == "pp" and self.microbatches and self.batch_size % self.microbatches:
             raise ValueError(f"microbatches: must divide batch_size {self.batch_size}, got {self.microbatches}")
 

@@ -26,7 +26,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from testbed.train import common, settings
+from testbed.train import common, inject, settings
 from testbed.train.common import append_jsonl, write_atomic, write_json_atomic
 from testbed.train.data import prepare
 from testbed.train.fingerprint import Fingerprinter
@@ -49,6 +49,7 @@ def build_parser():
                    help="bit to flip, of the value in the wire dtype (fp32: 0 = mantissa LSB, 30 = exponent MSB; "
                         "bf16/fp16: 0-15, 14 = exponent MSB)")
     p.add_argument("--debug-nan-step", type=int, default=None, help="make one received value NaN at this step")
+    inject.add_worker_arguments(p)
     return p
 
 
@@ -208,20 +209,31 @@ class Worker:
         self.write_status("connecting")
         self.connect()
         self.log(f"connected: world {self.world_size}, data if {self.data_ifname}, mgmt if {self.mgmt_ifname}")
-        model = build_model(a.model, a.seed)
+        device = inject.resolve_device(a.device)
+        model = build_model(a.model, a.seed).to(device)
         debug = DebugInjector(a, self.rank, self.world_size)
+        injector = (inject.ProcessInjector(a.inject_hops, self.rank, self.world_size, a.seed, self.run_dir, device)
+                    if a.injector == "process" else None)
         if a.mode == "ddp":
             from testbed.train.ddp import DDPTrainer
 
-            trainer = DDPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug)
+            trainer = DDPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug, inject=injector)
         else:
             from testbed.train.pp import PPTrainer
 
-            trainer = PPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug, self.mgmt_group)
+            trainer = PPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug, self.mgmt_group,
+                                inject=injector)
         del model
+        monitor = None
+        if a.monitor:  # fault localisation (testbed/locate): probes, per-bucket times, TCP counters per step
+            from testbed.locate.monitor import Monitor
+
+            monitor = Monitor(self.rank, self.world_size, self.mgmt, a.seed)
         named = trainer.named_parameters()
         n_params = sum(p.numel() for _, p in named)
-        fingerprint = Fingerprinter([p for _, p in named], a.fingerprint_sample)
+        # on a GPU the fingerprint reads a host copy of the parameters, refreshed before each one
+        mirror = [p.detach().cpu() for _, p in named] if device.type != "cpu" else [p for _, p in named]
+        fingerprint = Fingerprinter(mirror, a.fingerprint_sample)
         save_final = a.save_final if a.save_final is not None else n_params < SAVE_FINAL_MAX_PARAMS
         tokens_per_step = a.batch_size * a.seq_len * (self.world_size if a.mode == "ddp" else 1)
         self.write_status("training", n_params=n_params)
@@ -236,6 +248,9 @@ class Worker:
             t0 = time.perf_counter()
             m = trainer.train_step(step)
             step_time = time.perf_counter() - t0
+            mon = monitor.after_step(step, trainer, m) if monitor else None
+            if injector is not None:
+                m.update(injector.take_step())
             eval_loss = None
             if a.eval_every > 0 and ((step + 1) % a.eval_every == 0 or step == a.steps - 1):
                 eval_loss = trainer.eval_loss()
@@ -244,13 +259,16 @@ class Worker:
             # frozen: at every eval and at the end of the run (cheap, but not free for 124M)
             frozen = trainer.frozen_values() if eval_loss is not None or step == a.steps - 1 or reason else None
             t1 = time.perf_counter()
+            if device.type != "cpu":
+                for c, (_, p) in zip(mirror, named):
+                    c.copy_(p.detach())
             fp = fingerprint(with_hash=a.fingerprint_every > 0 and (step % a.fingerprint_every == 0
                                                                      or step == a.steps - 1))
             row = {"step": step, "rank": self.rank, "world_size": self.world_size, "mode": a.mode,
                    "model": a.model, "seed": a.seed, "time": time.time(), "tokens": tokens_per_step,
                    "eval_loss": eval_loss, "initial_eval_loss": initial_eval if step == 0 else None,
                    "frozen": frozen, "step_time_s": step_time, "corrupted_values": None, **m, **fp,
-                   "fingerprint_time_s": time.perf_counter() - t1}
+                   "fingerprint_time_s": time.perf_counter() - t1, "monitor": mon}
             append_jsonl(common.metrics_path(self.run_dir, self.rank), row)
             self.log(f"step {step + 1}/{a.steps} loss {m['loss']:.4f}"
                      + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
