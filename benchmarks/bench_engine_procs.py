@@ -7,7 +7,8 @@ direction (docs/engine.md, "Engine processes"). All in one run:
   once, h2 -> h1 and h2 -> h3; their sum). Each repetition measures the clean copy and both modes back to back,
   so each ratio is against a clean veth of the same repetition; medians over the repetitions.
 - memory (RSS and PSS of every engine process, and their totals) and `up`/`down` time of a 16-host ring with BER
-  on every link (32 corrupted directions), both modes.
+  on every link (32 corrupted directions), both modes, and with the bpf engine on every link (no process: the
+  kernel memory of its maps, bpftool's memlock figure) where it loads.
 
 Prints tables and writes JSON. Run as root from the repository root:
 
@@ -48,9 +49,11 @@ def line_topology(name: str, ber: float | None) -> Topology:
         "links": [{"endpoints": ["h1:eth1", "h2:eth1"], **link}, {"endpoints": ["h2:eth2", "h3:eth1"], **link}]}})
 
 
-def ring_topology(name: str, n: int = 16, ber: float | None = 1e-6) -> Topology:
+def ring_topology(name: str, n: int = 16, ber: float | None = 1e-6, engine: str | None = None) -> Topology:
     hosts = [f"h{i}" for i in range(1, n + 1)]
     extra = {"ber": ber} if ber is not None else {}
+    if engine:
+        extra["engine"] = engine
     links = [{"endpoints": [f"{hosts[i]}:eth1", f"{hosts[(i + 1) % n]}:eth2"], **extra} for i in range(n)]
     return Topology.from_dict({"name": name, "topology": {"nodes": {h: {} for h in hosts}, "links": links}})
 
@@ -167,12 +170,30 @@ def throughput(args, tag: str) -> dict:
     return {"rows": rows, "runs": runs, "engines_last_ber": acc}
 
 
+def bpf_map_bytes(tb: Testbed) -> int:
+    """Kernel memory charged for the bpf engines' maps (bpftool's memlock figure of every pinned map)."""
+    total = 0
+    for h in tb.engine_handles().values():
+        if h.spec.engine != "bpf":
+            continue
+        for pin in Path(h.bpf["pin_dir"]).iterdir():
+            r = subprocess.run(["bpftool", "-j", "map", "show", "pinned", str(pin)], capture_output=True, text=True)
+            if r.returncode == 0:  # the program's pin is not a map
+                total += int(json.loads(r.stdout).get("bytes_memlock", 0))
+    return total
+
+
 def ring(args, tag: str) -> dict:
-    """Both modes, and the same ring without BER (no engines: what `up` costs without them)."""
+    """Both modes, the bpf engine (no process: its maps' memory), and the same ring without BER (no engines:
+    what `up` costs without them)."""
+    from testbed.engine.bpf.engine import available
+
     out = {}
-    for m in ("no engines", *MODES):
+    kinds = ("no engines", *MODES) + (("bpf",) if available()[0] else ())
+    for m in kinds:
         ber = None if m == "no engines" else 1e-6
-        tb = Testbed(ring_topology(f"bepr{m[0]}-{tag}", ber=ber), engine_procs=None if ber is None else m)
+        tb = Testbed(ring_topology(f"bepr{m[0]}-{tag}", ber=ber, engine="bpf" if m == "bpf" else None),
+                     engine_procs=m if m in MODES else None)
         t0 = time.monotonic()
         tb.up()
         up_s = time.monotonic() - t0
@@ -181,6 +202,7 @@ def ring(args, tag: str) -> dict:
             pids = engine_pids(tb)
             mem = {pid: memory(pid) for pid in pids}
             directions = len(tb.engine_handles())
+            maps = bpf_map_bytes(tb)
         finally:
             t0 = time.monotonic()
             tb.down(save_stats=False)
@@ -189,10 +211,11 @@ def ring(args, tag: str) -> dict:
         pss = [p for _, p in mem.values()]
         out[m] = {"directions": directions, "processes": len(pids), "up_s": up_s, "down_s": down_s,
                   "rss_per_process_mb": statistics.median(rss) / 1e6 if rss else 0.0, "rss_total_mb": sum(rss) / 1e6,
-                  "pss_total_mb": sum(pss) / 1e6, "rss_per_direction_mb": sum(rss) / 1e6 / max(directions, 1)}
+                  "pss_total_mb": sum(pss) / 1e6, "rss_per_direction_mb": sum(rss) / 1e6 / max(directions, 1),
+                  "bpf_maps_mb": maps / 1e6}
         print(f"ring16 {m}: {directions} directions, {len(pids)} processes, up {up_s:.1f} s, down {down_s:.1f} s, "
               f"RSS {out[m]['rss_per_process_mb']:.1f} MB per process, {out[m]['rss_total_mb']:.0f} MB total "
-              f"(PSS {out[m]['pss_total_mb']:.0f} MB)", flush=True)
+              f"(PSS {out[m]['pss_total_mb']:.0f} MB)" + (f", bpf maps {maps / 1e6:.1f} MB" if maps else ""), flush=True)
     return out
 
 
@@ -216,10 +239,10 @@ def main() -> int:
     doc["load_after"] = os.getloadavg()
     print("\nring of 16 hosts, BER on every link (32 corrupted directions; `no engines`: the ring without BER)")
     print(f"{'mode':12s} {'procs':>5s} {'up s':>6s} {'down s':>6s} {'RSS/proc MB':>11s} {'RSS total MB':>12s} "
-          f"{'PSS total MB':>12s}")
+          f"{'PSS total MB':>12s} {'bpf maps MB':>11s}")
     for m, r in doc["ring16"].items():
         print(f"{m:12s} {r['processes']:5d} {r['up_s']:6.1f} {r['down_s']:6.1f} {r['rss_per_process_mb']:11.1f} "
-              f"{r['rss_total_mb']:12.0f} {r['pss_total_mb']:12.0f}")
+              f"{r['rss_total_mb']:12.0f} {r['pss_total_mb']:12.0f} {r.get('bpf_maps_mb', 0):11.1f}")
     if "throughput" in doc:
         print(f"\nTCP throughput on h1 - h2 - h3, medians of {args.reps} repetitions ({args.seconds:g} s each); "
               "ratio = against the clean line of the same repetition")
