@@ -241,12 +241,11 @@ def test_an_unreachable_machine_and_a_bad_key_give_clear_errors_and_build_nothin
         assert_nothing_left(ms, name)
 
 
-def test_bench_latency_and_collective_across_two_machines(machines, tmp_path):
+def test_bench_latency_across_two_machines(machines, tmp_path):
     """`testbed bench latency --machines FILE`: the topology file is placed across the machines for the
     measurement and removed after. 16 KB round trips over the tunnelled link h1-h2 (engines on both machines,
     changed live from here): at 1e-5 ~2.6 flips per round trip, 45 round trips per configuration (warm-up
-    included): ~120 flips expected, P(none) < e^-100, and keep drops what is hit, so TCP retransmits.
-    Then `testbed bench collective NAME` on a topology that is up across machines: it is left as found."""
+    included): ~120 flips expected, P(none) < e^-100, and keep drops what is hit, so TCP retransmits."""
     ms, inv = machines
     first2 = inv.with_name("first2-bench.yaml")
     first2.write_text(_subset(inv.read_text(), [m.name for m in ms[:2]]))
@@ -266,6 +265,12 @@ def test_bench_latency_and_collective_across_two_machines(machines, tmp_path):
     assert cluster.cluster_of(name) is None
     assert_nothing_left(ms, name)
 
+
+@pytest.mark.slow  # ~60 s more on top of the latency one; the same ClusterTestbed calls
+def test_bench_collective_on_a_topology_up_across_machines_leaves_it_as_found(machines, tmp_path):
+    """`testbed bench collective NAME` on a topology that is up across machines: ranks on both machines, engines
+    started for --ber on both, and the topology left as found."""
+    ms, inv = machines
     name = unique_name("pair")
     up("pair.yaml", inv, name, 2)
     try:
