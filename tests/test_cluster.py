@@ -158,6 +158,36 @@ def test_topology_across_machines_carries_tcp_between_every_pair(machines, file,
     assert_nothing_left(ms, name)
 
 
+@pytest.mark.docker
+def test_container_hosts_across_machines(machines, worker_image):
+    """The docker runtime on each machine (its own `testbed part-up`, the same code as a local docker `up`):
+    containers joined by the tunnelled data link and the cross-machine management segment."""
+    ms, inv = machines
+    name = unique_name("pair")
+    r = tb_cli("up", str(TOPOLOGIES / "pair.yaml"), "--name", name, "--runtime", "docker", "--machines",
+               str(_first(inv, ms, 2)), timeout=180)
+    assert r.returncode == 0, r.stderr + r.stdout
+    try:
+        s = json.loads(tb_cli("status", "--topo", name, "--json").stdout)[0]
+        assert s["healthy"] and s["runtime"] == "docker", s
+        assert all(v.get("container") for v in s["hosts"].values()), s["hosts"]  # hosts are containers
+        assert {v["machine"] for v in s["hosts"].values()} == {ms[0].name, ms[1].name}
+        for h, peer in (("h1", "h2"), ("h2", "h1")):
+            for target in (data_address(name, peer), f"{peer}-mgmt"):
+                res = cluster.exec_in(name, h, ["ping", "-c1", "-W2", target], timeout=30)
+                assert res.returncode == 0, (h, target, res.stdout, res.stderr)
+    finally:
+        d = tb_cli("down", name, timeout=180)
+        assert d.returncode == 0, d.stderr
+    assert_nothing_left(ms, name)
+
+
+def _first(inv, ms, n: int):
+    path = inv.with_name(f"first{n}-only.yaml")
+    path.write_text(_subset(inv.read_text(), [m.name for m in ms[:n]]))
+    return path
+
+
 def test_engine_on_a_cross_machine_link_delivers_app_counted_errors_equal_to_its_flips(machines):
     """BER 1e-5, payload scope, checksums fixed, on the tunnelled link h1 -> h2 (the engine runs on h1's machine,
     on the tunnel end: it sees the inner packets). 40 MB: ~3,200 flips expected, P(none) < e^-3000."""
