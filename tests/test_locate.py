@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from conftest import ROOT, TOPOLOGIES, running, unique_name
+from conftest import ROOT, TOPOLOGIES, running, tb_cli, unique_name
 from testbed.experiments.spec import Experiment
 from testbed.locate import detectors
 from testbed.locate.faults import pick_link, with_fault
@@ -236,6 +236,14 @@ def test_consistency_names_the_link_that_delivers_errors(ring4, tmp_path):
     assert det is not None and det["link"] == "h2-h3", result["detectors"]["consistency"]
     assert det["step"] <= 1
     assert result["detectors"]["counters"]["detection"] is None  # delivered errors: TCP saw nothing wrong
+    # the command says the same, as JSON and as text; a directory that is not a monitored run is refused
+    r = tb_cli("locate", str(tmp_path / "fix"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["detectors"]["consistency"]["detection"]["link"] == "h2-h3"
+    r = tb_cli("locate", str(tmp_path / "fix"))
+    assert r.returncode == 0 and "consistency: confident at step" in r.stdout and "h2-h3" in r.stdout, r.stdout
+    r = tb_cli("locate", str(tmp_path / "nothing-here"))
+    assert r.returncode == 2 and "not a directory" in r.stderr, r.stderr
 
 
 @pytest.mark.privileged

@@ -293,7 +293,7 @@ def ring_allreduce(t, group, rank, world, on_receive=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The controller: `testbed train --injector process`
+# The hops of a topology, for the controller (testbed.experiments.training.train_process runs the workers)
 # ---------------------------------------------------------------------------------------------------------------
 
 def hop_pairs(mode, world):
