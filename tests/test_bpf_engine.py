@@ -317,7 +317,9 @@ def test_keep_receiver_drops_exactly_the_corrupted_segments(link):
     assert 0 <= passed <= min(st["packets_multiflip"], bound), (st["packets_modified"], csum_errors,
                                                                  st["packets_multiflip"])
     assert st["packets_modified"] > 500
-    assert rres["bit_errors"] >= 2 * passed and (passed > 0 or rres["bit_errors"] == 0)
+    # what passes carries >= 2 cancelling flips; its bytes reach the application unless TCP already had them (a
+    # passed segment can be a spurious retransmission: seen once, 3 passed segments and 4 bit errors)
+    assert rres["bit_errors"] == 0 or (passed > 0 and rres["bit_errors"] >= 2), (passed, rres["bit_errors"])
     assert st["bits_seen"] > n * 8  # retransmissions are drawn again, as on a real link
     assert_ber(st["bits_flipped"], st["bits_seen"], ber)
     assert sres["retrans_segs"] >= csum_errors * 0.9

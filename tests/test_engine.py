@@ -110,7 +110,9 @@ def test_keep_mode_receiver_drops_what_the_engine_corrupted(link):
     assert 0 <= passed <= min(st["packets_multiflip"], bound), \
         (st["packets_modified"], csum_errors, st["packets_multiflip"])
     assert st["packets_modified"] > 1000
-    assert rres["bit_errors"] >= 2 * passed and (passed > 0 or rres["bit_errors"] == 0)
+    # what passes carries >= 2 cancelling flips; its bytes reach the application unless TCP already had them (a
+    # passed segment can be a spurious retransmission: seen once, 3 passed segments and 4 bit errors)
+    assert rres["bit_errors"] == 0 or (passed > 0 and rres["bit_errors"] >= 2), (passed, rres["bit_errors"])
     assert rres["bit_errors"] < 10 * max(passed, 1)
     # every eligible bit that crossed the link (retransmissions included) was drawn at the configured BER
     assert st["bits_seen"] > n * 8

@@ -13,7 +13,12 @@ from testbed import procs
 
 
 def _sleeper(*extra: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *extra], **kw)
+    """A sleeping child that has exec'd (until then /proc/PID/cmdline is still this process's: seen once)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *extra], **kw)
+    deadline = time.monotonic() + 10
+    while (procs.cmdline(p.pid) or [])[1:2] != ["-c"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return p
 
 
 def test_alive_needs_the_same_start_time():
