@@ -1,6 +1,7 @@
-"""The engine process (docs/engine.md, "Lifecycle and fail-closed semantics"): enter the namespace, bind the
-queue, open the control socket, write the stats file, then loop over queued packets and control requests
-until SIGTERM or ``{"cmd": "stop"}``.
+"""One corrupted direction of the NFQUEUE engine (docs/engine.md, "Lifecycle and fail-closed semantics"): enter
+the namespace, bind the queue, open the control socket, write the stats file, and process the packets queued to
+it; the engine process (testbed/engine/__main__.py) runs the loop that serves one or several of them until
+SIGTERM or ``{"cmd": "stop"}``.
 
 Fail closed: the queue is bound without NFQA_CFG_F_FAIL_OPEN (unless configured) and the manager adds the
 iptables rule without ``--queue-bypass``, so while the rule exists and this process is not reading, the
@@ -9,12 +10,8 @@ link drops packets instead of passing them clean.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
-import select
-import signal
-import sys
 import time
 import traceback
 
@@ -25,7 +22,7 @@ from .corruptor import Corruptor
 from .nfqueue import NfQueue
 from .stats import write_json_atomic
 
-__all__ = ["Engine", "main"]
+__all__ = ["Engine"]
 
 log = logging.getLogger("testbed.engine")
 
@@ -151,86 +148,3 @@ class Engine:
             if not n % _BATCH:
                 q.flush()
         q.flush()
-
-    def run(self) -> None:
-        qfd = self.queue.fileno()
-        cfd = self.control.fileno()
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        os.set_blocking(wake_w, False)
-
-        def on_signal(signum, frame):
-            self.stopping = True
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        signal.set_wakeup_fd(wake_w)  # wakes epoll; the handler itself runs between bytecodes
-
-        ep = select.epoll()
-        ep.register(qfd, select.EPOLLIN)
-        ep.register(cfd, select.EPOLLIN)
-        ep.register(wake_r, select.EPOLLIN)
-        # Per-packet objects form no cycles; keep the cyclic GC from pausing the hot loop.
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-        next_stats = time.monotonic() + STATS_INTERVAL
-        try:
-            while not self.stopping:
-                timeout = max(0.0, next_stats - time.monotonic())
-                for fd, _ev in ep.poll(timeout):
-                    if fd == qfd:
-                        self.drain()
-                    elif fd == cfd:
-                        conn = self.control.accept()
-                        if conn is not None:
-                            ep.register(conn.fileno(), select.EPOLLIN)
-                    elif fd == wake_r:
-                        try:
-                            os.read(wake_r, 512)
-                        except BlockingIOError:
-                            pass
-                    elif fd in self.control.clients:
-                        self.control.serve(fd)  # closing a client also removes it from the epoll set
-                now = time.monotonic()
-                if now >= next_stats:
-                    self.write_stats()
-                    gc.collect(0)
-                    next_stats = now + STATS_INTERVAL
-        finally:
-            signal.set_wakeup_fd(-1)
-            ep.close()
-            os.close(wake_r)
-            os.close(wake_w)
-
-
-def main(config_path: str) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
-    try:
-        spec = EngineSpec.load(config_path)
-        engine = Engine(spec)
-        engine.start()
-    except Exception as e:
-        log.error("engine failed to start: %s\n%s", e, traceback.format_exc())
-        return 2
-    log.info("bound queue %d in %s (iface %s, %s, scope %s, checksum %s, ber %g, gso %s)", spec.queue_num,
-             spec.netns, spec.iface, spec.hook, spec.scope, spec.checksum, spec.ber, engine.corruptor.gso)
-    print("READY", flush=True)
-    # Nothing more goes to stdout: the manager stops reading it after READY (a write could hit a closed pipe).
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-    profile = os.environ.get("TESTBED_ENGINE_PROFILE")  # dev aid: cProfile the loop into this file
-    try:
-        if profile:
-            import cProfile
-
-            cProfile.runctx("engine.run()", globals(), {"engine": engine}, profile)
-        else:
-            engine.run()
-    finally:
-        engine.close(final=True)
-        log.info("stopped: %d packets, %d bits flipped", engine.corruptor.counters.packets,
-                 engine.corruptor.counters.bits_flipped)
-    return 0
