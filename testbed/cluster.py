@@ -619,12 +619,11 @@ class RemotePopen:
         """The first JSON line of its output with `key` (polled); RuntimeError if it ended without one."""
         deadline = time.monotonic() + timeout
         while True:
+            from .engine.probe import json_with
+
             for line in self._output().splitlines():
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict) and key in obj:
+                obj = json_with(line, key)
+                if obj is not None:
                     return obj
             if self.poll() is not None:
                 raise RuntimeError(f"pid {self.pid} on {self.proc.remote.machine.name} ended without a {key!r} "

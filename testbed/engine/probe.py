@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-__all__ = ["CHUNK", "expected_chunk", "tcp_snmp", "popcount", "read_json_line"]
+__all__ = ["CHUNK", "expected_chunk", "tcp_snmp", "popcount", "read_json_line", "json_with"]
 
 CHUNK = 1 << 20
 
@@ -60,12 +60,18 @@ def read_json_line(proc, key: str, timeout: float = 30) -> dict:
         if not line:
             err = proc.stderr.read() if proc.stderr else ""
             raise RuntimeError(f"pid {proc.pid} ended without a {key!r} line; stderr:\n{err.strip()[-1500:]}")
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and key in obj:
+        obj = json_with(line, key)
+        if obj is not None:
             return obj
+
+
+def json_with(line: str, key: str) -> dict | None:
+    """The JSON object on `line` if it has `key`; None for anything else (other lines, text, a torn line)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) and key in obj else None
 
 
 def _emit(obj: dict) -> None:
