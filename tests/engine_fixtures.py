@@ -202,6 +202,17 @@ def veth_link(mtu: int = 1500):
         link.close()
 
 
+def checked_veth_link(*checks):
+    """For a test's `link` fixture (`yield from checked_veth_link()`): a veth link, and after the test none of
+    its namespaces left, and each check(link) holds."""
+    with veth_link() as vl:
+        yield vl
+    for name in vl.ns.values():
+        assert not os.path.exists(f"/run/netns/{name}"), f"namespace {name} left behind"
+    for check in checks:
+        check(vl)
+
+
 def transfer(link: VethLink, nbytes: int, seed: int, port: int = 5001, sport: int = 0,
              timeout: float = 120) -> tuple[dict, dict]:
     """Send ``nbytes`` of probe bytes a -> b; return (sender result, receiver result). The source port is

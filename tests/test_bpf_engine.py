@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import leftovers, tb_cli, unique_name
 from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_two_epochs, paused_transfer, read_json_line,
-                             stop_elsewhere, transfer, veth_link)
+                             stop_elsewhere, transfer, checked_veth_link)
 from scipy import stats
 
 from testbed.engine.bpf import maps, pins
@@ -50,13 +50,13 @@ def bpf_here():
         pytest.skip(f"the bpf engine cannot run here: {why}")
 
 
+def _no_pins_left(vl) -> None:
+    assert not pins.engine_pin_dirs(pins.pins_under(vl.tmp)), "pinned maps left behind"
+
+
 @pytest.fixture
 def link():
-    with veth_link() as vl:
-        yield vl
-    for name in vl.ns.values():
-        assert not os.path.exists(f"/run/netns/{name}"), f"namespace {name} left behind"
-    assert not pins.engine_pin_dirs(pins.pins_under(vl.tmp)), "pinned maps left behind"
+    yield from checked_veth_link(_no_pins_left)
 
 
 def bpf(link, side: str = "a", hook: str = "egress", **kw) -> EngineHandle:

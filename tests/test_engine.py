@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_two_epochs, paused_transfer, read_json_line,
-                             stop_elsewhere, transfer, veth_link)
+                             stop_elsewhere, transfer, checked_veth_link)
 from scipy import stats
 
 from testbed.engine.manager import (
@@ -35,10 +35,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespace
 
 @pytest.fixture
 def link():
-    with veth_link() as vl:
-        yield vl
-    for name in vl.ns.values():
-        assert not os.path.exists(f"/run/netns/{name}"), f"namespace {name} left behind"
+    yield from checked_veth_link()
 
 
 # -- checksum fix: corrupted bytes reach the application, exactly as counted --------------------------------------

@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from engine_fixtures import MB, PYTHON, read_json_line, transfer, veth_link
+from engine_fixtures import MB, PYTHON, read_json_line, transfer, checked_veth_link
 
 from testbed.engine.manager import engine_stats
 from testbed.engine.nfqueue import kernel_queues, queue_drops
@@ -83,10 +83,7 @@ def test_counter_delta_keeps_engine_drops_apart():
 
 @pytest.fixture
 def link():
-    with veth_link() as vl:
-        yield vl
-    for name in vl.ns.values():
-        assert not os.path.exists(f"/run/netns/{name}"), f"namespace {name} left behind"
+    yield from checked_veth_link()
 
 
 def burst_while_stopped(link, h, n: int, size: int, port: int) -> tuple[dict, dict]:
