@@ -24,6 +24,7 @@ the machine: 2 vCPUs carry iperf3's client, server and the engine.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import statistics
 import subprocess
@@ -46,9 +47,35 @@ IPERF_PORT = 5201
 PINGPONG_PORT = 5301
 
 
-def iperf(link, seconds: float) -> dict:
+class IperfServer:
+    """iperf3 -s in namespace b, restarted when a test fails: a server that once answered "unable to receive
+    results" (seen after a few hundred runs) can stay wedged, and the run would lose every repetition."""
+
+    def __init__(self, link):
+        self.link, self.proc = link, None
+        self.restart()
+
+    def restart(self):
+        self.stop()
+        self.proc = self.link.popen("b", ["iperf3", "-s", "-p", str(IPERF_PORT)])
+        time.sleep(0.5)
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+def iperf(link, seconds: float, server: IperfServer | None = None) -> dict:
     argv = ["iperf3", "-c", link.addr["b"], "-p", str(IPERF_PORT), "-t", str(seconds), "-J"]
-    for _ in range(3):
+    for attempt in range(4):
+        if attempt == 2 and server is not None:
+            server.restart()
         try:
             r = link.run("a", argv, timeout=seconds + 30)
         except subprocess.TimeoutExpired:  # seen once: a client that never finished; try again
@@ -61,6 +88,14 @@ def iperf(link, seconds: float) -> dict:
         except (ValueError, KeyError):
             time.sleep(0.5)  # the server may still be busy closing the previous test
     raise RuntimeError(f"iperf3 failed: {r.stdout[-500:]} {r.stderr[-500:]}")
+
+
+def prog_run_time(h) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of a bpf engine's program (kernel.bpf_stats_enabled must be 1)."""
+    r = subprocess.run(["bpftool", "prog", "show", "pinned", h.bpf["pin_dir"] + "/prog", "-j"],
+                       capture_output=True, text=True, check=True)
+    d = json.loads(r.stdout)
+    return int(d.get("run_time_ns", 0)), int(d.get("run_cnt", 0))
 
 
 def memory(h) -> dict:
@@ -119,21 +154,31 @@ def main() -> int:
         runs[f"nfqueue keep ber={KEEP_BER:g}"] = []
     accuracy = []
     with veth_link() as link:
-        server = link.popen("b", ["iperf3", "-s", "-p", str(IPERF_PORT)])
-        time.sleep(0.5)
+        server = IperfServer(link)
         handles = {}
         for e in engines:
             extra = {"peer_netns": link.path["b"], "peer_iface": link.iface} if e == "bpf" else {}
             handles[e] = link.start_engine(ber=0.0, seed=1, scope="payload", checksum="fix", engine=e, **extra)
             detach_engine(handles[e])  # the engine stays; attaching decides whether traffic goes through it
         mem = {e: memory(h) for e, h in handles.items()}
+        # the bpf program's own cost per packet (kernel.bpf_stats_enabled: ~20 ns per run; restored after)
+        stats_was = Path("/proc/sys/kernel/bpf_stats_enabled").read_text().strip()
+        Path("/proc/sys/kernel/bpf_stats_enabled").write_text("1")
+        atexit.register(Path("/proc/sys/kernel/bpf_stats_enabled").write_text, stats_was)
         for rep in range(args.reps):
-            runs["clean"].append(iperf(link, args.seconds))
+            runs["clean"].append(iperf(link, args.seconds, server))
             for e, h in handles.items():
                 attach_engine(h)
                 for ber in BERS:
                     set_engine(h, ber=ber)
-                    r = iperf(link, args.seconds)
+                    if e == "bpf":
+                        t0, before = prog_run_time(h), engine_stats(h)
+                    r = iperf(link, args.seconds, server)
+                    if e == "bpf":
+                        (ns1, n1), after = prog_run_time(h), engine_stats(h)
+                        mod = after["packets_modified"] - before["packets_modified"]
+                        r["prog_ns_per_packet"] = (ns1 - t0[0]) / max(n1 - t0[1], 1)
+                        r["packets_modified_share"] = mod / max(n1 - t0[1], 1)
                     runs[f"{e} ber={ber:g}"].append(r)
                     ep = engine_stats(h)["epochs"][-1]
                     accuracy.append({"engine": e, "ber": ber, "bits": ep["bits_seen"], "flips": ep["bits_flipped"],
@@ -141,7 +186,7 @@ def main() -> int:
                                      bool(binomial_ok(ep["bits_flipped"], ep["bits_seen"], ber))})
                 if args.keep and e == "nfqueue":  # informational: MTU-sized frames, drops + retransmits
                     set_engine(h, checksum="keep", ber=KEEP_BER)
-                    runs[f"nfqueue keep ber={KEEP_BER:g}"].append(iperf(link, args.seconds))
+                    runs[f"nfqueue keep ber={KEEP_BER:g}"].append(iperf(link, args.seconds, server))
                     set_engine(h, checksum="fix", ber=0.0)
                 set_engine(h, ber=0.0)
                 detach_engine(h)
@@ -158,7 +203,7 @@ def main() -> int:
                 detach_engine(h)
             lat_rounds.append(rnd)
         finals = {e: engine_stats(h) for e, h in handles.items()}
-        server.terminate()
+        server.stop()
 
     ratios = {}
     for k in runs:
@@ -188,6 +233,8 @@ def main() -> int:
         "throughput_gbit_s_median": {k: med(r["gbit_s"] for r in v) for k, v in runs.items()},
         "ratio_to_clean_median": ratios,
         "retransmits_median": {k: med(r["retransmits"] for r in v) for k, v in runs.items()},
+        "bpf_prog_ns_per_packet_median": {k: med(r["prog_ns_per_packet"] for r in v)
+                                          for k, v in runs.items() if v and "prog_ns_per_packet" in v[0]},
         "runs": runs, "latency": latency, "ber_accuracy": accuracy,
         "memory_per_direction": mem,
         "engine_final": {e: {k: st.get(k) for k in ("packets", "bytes", "packets_modified", "packets_errors",
@@ -200,6 +247,9 @@ def main() -> int:
     for k in runs:
         print(f"{k:<22} {result['throughput_gbit_s_median'][k]:>16.2f} "
               f"{ratios.get(k, 1.0):>17.2f} {result['retransmits_median'][k]:>12}")
+    for k, ns in result["bpf_prog_ns_per_packet_median"].items():
+        share = med(r["packets_modified_share"] for r in runs[k])
+        print(f"{k}: the program's own time {ns / 1000:.2f} us per packet ({share:.0%} of packets modified)")
     print(f"\nping-pong RTT p50/p99 us (median of {args.reps} rounds): clean {latency['clean_p50_us']:.1f}/"
           f"{latency['clean_p99_us']:.1f}")
     for e in engines:

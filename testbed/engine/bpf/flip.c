@@ -35,8 +35,8 @@
 #define NEPOCHS 64
 #define NPORTS 16
 #define NEVER (1ULL << 62)
-#define GEN_PER_LOCK 1     /* flips or sojourn switches generated per lock section */
-#define APPLY_PER_STEP 32  /* flips applied per bpf_loop step */
+#define GEN_PER_LOCK 8     /* flips or sojourn switches generated per lock section */
+#define APPLY_PER_STEP 8   /* flips applied per bpf_loop step (at most GEN_PER_LOCK are new) */
 #define MAX_STEPS (1 << 22)
 
 #define T_GOOD_FLIP 0
@@ -360,9 +360,20 @@ static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u6
 			x->err = 1;
 		}
 	}
-	if (bpf_skb_load_bytes(skb, off, &b, 1)) {
-		x->err = 1;
-		return;
+	{
+		/* direct packet read (a write would make the verifier unclone every packet in a prologue) */
+		__u8 *data = (__u8 *)(long)skb->data, *dend = (__u8 *)(long)skb->data_end, *p;
+		__u32 o = off & 0xffff;
+
+		/* the verifier sets a packet range only for offsets + size <= 0xffff: the last bytes of a 64 KB
+		 * packet take the helper */
+		p = data + o;
+		if (o == off && o < 0xffff && p + 1 <= dend) {
+			b = *p;
+		} else if (bpf_skb_load_bytes(skb, off, &b, 1)) {
+			x->err = 1;
+			return;
+		}
 	}
 	/* 16-bit words as the kernel sums them (little-endian loads): an even offset is the low byte */
 	m = (off & 1) ? ((__u64)mask << 8) : mask;
@@ -384,8 +395,9 @@ static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u6
 	}
 }
 
-/* One bpf_loop step: generate at most one event (flip or sojourn switch) under the lock, then apply at most
- * one flip of this packet from the ring. Small steps keep the verifier's work (and lock hold times) small. */
+/* One bpf_loop step: generate at most GEN_PER_LOCK events (flips or sojourn switches) under the lock, then
+ * apply at most APPLY_PER_STEP flips of this packet from the ring. Bounded steps keep the verifier's work (and
+ * lock hold times) small; several events per step keep the lock and loop overhead per flip small. */
 static long step(__u64 i, void *arg)
 {
 	struct lctx *lc = arg;
@@ -405,21 +417,23 @@ static long step(__u64 i, void *arg)
 	gi = st->gen_idx;
 	bpf_spin_unlock(&st->lock);
 
-	idx = x->idx;
-	if (idx >= gi)  /* nothing new to read: done once the stream is generated past the packet */
-		return gp >= x->e ? 1 : 0;
-	if (gi - idx > RING) {  /* overwritten before it was read (needs 64 Ki flips in flight: never seen) */
-		x->overrun = 1;
-		return 1;
+	for (int j = 0; j < APPLY_PER_STEP; j++) {
+		idx = x->idx;
+		if (idx >= gi)  /* nothing new to read: done once the stream is generated past the packet */
+			return gp >= x->e ? 1 : 0;
+		if (gi - idx > RING) {  /* overwritten before it was read (needs 64 Ki flips in flight: never seen) */
+			x->overrun = 1;
+			return 1;
+		}
+		pos = rg->pos[idx & RING_MASK];
+		if (pos >= x->e)
+			return 1;
+		x->idx = idx + 1;
+		if (pos >= x->s)
+			flip_one(lc->skb, x, pos - x->s);
+		else  /* an earlier packet's flip: that packet was in flight on another CPU */
+			x->shared++;
 	}
-	pos = rg->pos[idx & RING_MASK];
-	if (pos >= x->e)
-		return 1;
-	x->idx = idx + 1;
-	if (pos >= x->s)
-		flip_one(lc->skb, x, pos - x->s);
-	else  /* an earlier packet's flip: that packet was in flight on another CPU */
-		x->shared++;
 	return 0;
 }
 
