@@ -449,7 +449,7 @@ class RemoteWorkers:
     """Training workers on other machines: `spawn` for launch.run_workers, and the mirror of their run
     directories into the controller's (the launcher watches those files). Use as a context manager."""
 
-    MIRRORED = ("metrics-rank", "status-rank", "worker-rank", "final-rank")
+    MIRRORED = ("metrics-rank", "status-rank", "worker-rank", "final-rank", "monitor-ranks")  # rank 0: --monitor
 
     def __init__(self, tb: ClusterTestbed, run_dir, hosts: list[str], passed: tuple[str, ...]):
         import uuid

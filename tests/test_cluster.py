@@ -336,7 +336,7 @@ def test_tiny_ddp_trains_across_two_machines_at_ber_1e5_tensor_scope(machines, t
     first2.write_text(_subset(inv.read_text(), [m.name for m in ms[:2]]))
     name = unique_name("pair")
     cfg = TrainSettings(mode="ddp", model="tiny", steps=10, seed=1, batch_size=4, seq_len=32, eval_every=5,
-                        timeout=15, stall_timeout=60, run_timeout=240)
+                        timeout=15, stall_timeout=60, run_timeout=240, monitor=True)
     s = train(Topology.load(TOPOLOGIES / "pair.yaml"), cfg, tmp_path / "run", ber=1e-5, scope="tensor",
               name=name, machines=load_inventory(first2), log=lambda _m: None)
     assert s["status"] == "ok", s.get("reason")
@@ -344,5 +344,11 @@ def test_tiny_ddp_trains_across_two_machines_at_ber_1e5_tensor_scope(machines, t
     assert s["machines"] == {"h1": ms[0].name, "h2": ms[1].name}
     assert s["bits_flipped"] > 0 and {e["machine"] for e in s["engines"]} == {ms[0].name, ms[1].name}
     assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "final-rank1.pt").exists()
+    # --monitor: rank 0 (on the first machine) collected both ranks' records over the management network; its
+    # file was mirrored here, and testbed locate reads it
+    from testbed.locate import detectors
+
+    obs = detectors.load(tmp_path / "run")
+    assert [st["step"] for st in obs["steps"]] == list(range(10)) and set(obs["steps"][0]["probe"]) == {"0->1", "1->0"}
     assert cluster.cluster_of(name) is None  # brought down after the run
     assert_nothing_left(ms, name)

@@ -53,7 +53,7 @@ def synthetic(topo, bad_link=None, steps=20, seed=0, slow=False, corrupt=False, 
     bad_hops = {h for h, dirs in meta["paths"].items() if any(d.split("/")[0] == bad_link for d in dirs)}
     bad_hosts = {n for l in topo.links if l.name == bad_link for n in (l.a.node, l.b.node)}
     tcp = {r: {"RetransSegs": 0, "InCsumErrors": 0} for r in range(len(hosts))}
-    rows = []
+    records = []
     for s in range(steps):
         for r, h in enumerate(hosts):
             tcp[r]["RetransSegs"] += rng.randint(0, 4)  # busy hosts retransmit a few segments per step anyway
@@ -62,6 +62,7 @@ def synthetic(topo, bad_link=None, steps=20, seed=0, slow=False, corrupt=False, 
                 tcp[r]["InCsumErrors"] += n
                 tcp[r]["RetransSegs"] += n
                 tcp[r]["InCsumErrors"] += rng.randint(20, 30)
+        ranks = []
         for r in range(len(hosts)):
             probe = []
             for hop in meta["paths"]:
@@ -73,8 +74,9 @@ def synthetic(topo, bad_link=None, steps=20, seed=0, slow=False, corrupt=False, 
                     t += 0.25
                 ok = not (corrupt and hop in bad_hops and rng.random() < 0.9)
                 probe.append({"src": src, "dst": dst, "bytes": 65536, "time_s": t, "crc_ok": ok})
-            rows.append({"step": s, "rank": r, "monitor": {"probe": probe, "tcp": dict(tcp[r]), "collectives": []}})
-    return detectors.observations(meta, rows)
+            ranks.append({"rank": r, "probe": probe, "tcp": dict(tcp[r]), "collectives": []})
+        records.append({"step": s, "ranks": ranks})  # what rank 0 collects over the management network
+    return detectors.observations(meta, records)
 
 
 @pytest.mark.parametrize("topo", [RING4, STAR8], ids=["ring4", "star8"])
@@ -118,14 +120,33 @@ def test_each_detector_is_blind_to_what_it_cannot_see():
     assert bad["timing"]["detection"] is None and bad["counters"]["detection"] is None
 
 
-def test_incomplete_steps_are_not_used_and_unmonitored_runs_are_refused():
+def test_incomplete_steps_are_not_used_and_unmonitored_runs_are_refused(tmp_path):
     obs = synthetic(RING4, None, steps=3)
     assert len(obs["steps"]) == 3
     meta = describe(RING4, RING4.hosts)
-    rows = [{"step": 0, "rank": r, "monitor": {"probe": [], "tcp": {}}} for r in range(3)]  # rank 3 missing
-    assert detectors.observations(meta, rows)["steps"] == []
+    records = [{"step": 0, "ranks": [{"rank": r, "probe": [], "tcp": {}} for r in range(3)]}]  # rank 3 missing
+    assert detectors.observations(meta, records)["steps"] == []
+    # a finished run without rank 0's collection was not monitored; one that has not logged a step yet is empty
+    (tmp_path / detectors.MONITOR_FILE).write_text(json.dumps(meta))
+    assert detectors.load(tmp_path)["steps"] == []
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(detectors.NotMonitored, match="--monitor"):
-        detectors.observations(meta, [{"step": 0, "rank": 0, "monitor": None}])
+        detectors.load(tmp_path)
+
+
+def test_pp_boundary_checksums_count_as_the_hops_consistency():
+    # A PP stage boundary whose activations arrived changed makes its hop inconsistent even when the probe of
+    # that step arrived intact; an intact boundary leaves the probe's verdict alone.
+    meta = describe(RING4, RING4.hosts)
+    ranks = [{"rank": r, "probe": [{"src": (r - 1) % 4, "dst": r, "time_s": 0.01, "crc_ok": True}], "tcp": {},
+              "boundaries": ([{"src": 1, "dst": 2, "what": "activations", "crc_ok": False}] if r == 2 else
+                             [{"src": r + 1, "dst": r, "what": "gradients", "crc_ok": True}] if r < 3 else [])}
+             for r in range(4)]
+    probe = detectors.observations(meta, [{"step": 0, "ranks": ranks}])["steps"][0]["probe"]
+    assert probe["1->2"]["crc_ok"] is False
+    assert probe["2->1"] == {"time_s": None, "crc_ok": True}  # a boundary no probe crossed: no time
+    assert all(p["crc_ok"] for h, p in probe.items() if h != "1->2")
+    assert detectors.locate(detectors.observations(meta, [{"step": 0, "ranks": ranks}]))
 
 
 def test_scores_count_correct_wrong_and_false_alarms():
@@ -205,13 +226,14 @@ def ring4():
         yield tb
 
 
-def monitored_run(tb, out, link, checksum, steps):
+def monitored_run(tb, out, link, checksum, steps, mode="ddp", ber=1e-5):
     from testbed.experiments.training import train
     from testbed.train.settings import TrainSettings
 
     for l in tb.topo.links:
-        tb.set_link(l.name, ber=1e-5 if l.name == link else 0.0, checksum=checksum)
-    cfg = TrainSettings(mode="ddp", model="tiny", steps=steps, seed=1, batch_size=2, seq_len=32, monitor=True,
+        tb.set_link(l.name, ber=ber if l.name == link else 0.0, checksum=checksum)
+    cfg = TrainSettings(mode=mode, model="tiny", steps=steps, seed=1, batch_size=2 if mode == "ddp" else 4,
+                        seq_len=32, monitor=True,
                         timeout=30, stall_timeout=60, run_timeout=300)
     try:
         s = train(tb.name, cfg, out, log=lambda m: None)
@@ -219,9 +241,14 @@ def monitored_run(tb, out, link, checksum, steps):
         for l in tb.topo.links:
             tb.set_link(l.name, ber=0.0, checksum="fix")
     assert s["status"] == "ok", s
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["monitor"]["probe"] and "RetransSegs" in r["monitor"]["tcp"] for r in rows)
-    assert all(c["op"] == "allreduce" and c["bytes"] > 0 for r in rows for c in r["monitor"]["collectives"])
+    # every rank's record of every step, collected by rank 0 over the management network
+    collected = [json.loads(x) for x in (out / detectors.RANKS_FILE).read_text().splitlines()]
+    assert [c["step"] for c in collected] == list(range(steps))
+    recs = [m for c in collected for m in c["ranks"]]
+    assert sorted(m["rank"] for m in recs) == sorted(list(range(4)) * steps)
+    assert all(m["probe"] and "RetransSegs" in m["tcp"] for m in recs)
+    op = "allreduce" if mode == "ddp" else "p2p"
+    assert all(c["op"] == op and c["bytes"] > 0 for m in recs for c in m["collectives"])
     return detectors.locate(detectors.load(out))
 
 
@@ -271,3 +298,22 @@ def test_timing_names_the_link_that_retransmits(ring4, tmp_path):
     result = monitored_run(ring4, tmp_path / "keep", "h3-h4", "keep", steps=15)
     det = result["detectors"]["timing"]["detection"]
     assert det is not None and det["link"] == "h3-h4", result["detectors"]["timing"]
+
+
+@pytest.mark.privileged
+def test_pp_stage_boundaries_are_checksummed(ring4, tmp_path):
+    # PP over ring4 (stages h1 -> h2 -> h3 -> h4), fix mode, BER 1e-4 on h2-h3: the boundaries 1 -> 2
+    # (activations) and 2 -> 1 (gradients) cross it. A microbatch of tiny's hidden states is 1 x 32 x 64 fp32
+    # = 65,536 bits: P(it arrives unchanged) = (1 - 1e-4)^65536 = e^-6.6 = 0.14 %, so each bad boundary
+    # mismatches in every step but with p < 0.3 % (asserted: at least once in 3 steps, miss p < 1e-8). Clean
+    # boundaries never mismatch (crc32 of the exact bytes, compared over the management network).
+    steps = 3
+    result = monitored_run(ring4, tmp_path / "pp", "h2-h3", "fix", steps=steps, mode="pp", ber=1e-4)
+    collected = [json.loads(x) for x in (tmp_path / "pp" / detectors.RANKS_FILE).read_text().splitlines()]
+    bounds = [b for c in collected for m in c["ranks"] for b in m["boundaries"]]
+    assert len(bounds) == steps * 6  # per step: stage s gets activations from s-1 and gradients from s+1
+    assert all(b["microbatches"] >= 1 for b in bounds)
+    bad = {(b["src"], b["dst"]) for b in bounds if not b["crc_ok"]}
+    assert bad == {(1, 2), (2, 1)}, bounds
+    det = result["detectors"]["consistency"]["detection"]
+    assert det and det["link"] == "h2-h3", result["detectors"]["consistency"]

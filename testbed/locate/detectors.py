@@ -35,6 +35,8 @@ import json
 import statistics
 from pathlib import Path
 
+from testbed.fileio import read_jsonl
+
 WINDOW = 5  # steps of evidence before a decision (timing, counters): one slow step is noise
 SPIKE = 10.0  # timing: a hop spikes in a step when it takes >= 10x the median hop of that step
 SPIKES = 2  # timing: spikes needed on every hop through a direction (one can be a scheduling stall)
@@ -45,6 +47,7 @@ TCP_EVENTS = ("InCsumErrors",)  # scored; RetransSegs has a background on busy h
 DETECTORS = ("timing", "consistency", "counters")
 MONITOR_FILE = "monitor.json"  # written by the launcher: rank -> host, hop paths (testbed/experiments/training.py)
 ENGINES_FILE = "monitor-engines.jsonl"  # the launcher's samples of the engines' counters (ground truth)
+RANKS_FILE = "monitor-ranks.jsonl"  # rank 0's collection of every rank's records (testbed/locate/monitor.py)
 
 
 class NotMonitored(ValueError):
@@ -60,43 +63,40 @@ def link_of(direction: str) -> str:
 
 def load(run_dir) -> dict:
     """A monitored run's observations: {hosts, paths, directions, steps: [{step, probe: {hop: {time_s, crc_ok}},
-    tcp: {rank: counters}, collectives: {rank: [..]}}]}, complete steps only (every rank logged them).
-    Reads metrics.jsonl when the run finished, else the ranks' metrics-rank*.jsonl (a running run)."""
+    tcp: {rank: counters}, collectives: {rank: [..]}}]}, complete steps only. Reads monitor-ranks.jsonl, the
+    records every rank sent rank 0 over the management network after each step (finished or running runs)."""
     run_dir = Path(run_dir)
     meta_path = run_dir / MONITOR_FILE
     if not meta_path.exists():
         raise NotMonitored(f"{run_dir}: no {MONITOR_FILE}: not a run of `testbed train --monitor` (or "
                            "`monitor: true` in an experiment's train:)")
     meta = json.loads(meta_path.read_text())
-    files = [run_dir / "metrics.jsonl"] if (run_dir / "metrics.jsonl").exists() else sorted(
-        run_dir.glob("metrics-rank*.jsonl"))
-    rows = []
-    for f in files:
-        for line in f.read_text().splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:  # a line being written
-                    pass
-    return observations(meta, rows)
+    ranks_path = run_dir / RANKS_FILE
+    if not ranks_path.exists():
+        if (run_dir / "metrics.jsonl").exists():
+            raise NotMonitored(f"{run_dir}: no {RANKS_FILE}: the run was not trained with --monitor")
+        return observations(meta, [])  # started, no step monitored yet
+    return observations(meta, read_jsonl(ranks_path))
 
 
-def observations(meta: dict, rows: list[dict]) -> dict:
+def observations(meta: dict, records: list[dict]) -> dict:
+    """From rank 0's collection ({"step", "ranks": [each rank's record]} per step) to the detectors' input. A
+    record's `boundaries` (PP: crc32 of each stage boundary's activations and gradients) add to its probe's
+    checksum: a hop is consistent only if both arrived unchanged."""
     world = len(meta["hosts"])
-    by_step: dict[int, dict[int, dict]] = {}
-    for r in rows:
-        if r.get("monitor") is not None:
-            by_step.setdefault(r["step"], {})[r["rank"]] = r["monitor"]
-    if rows and not by_step:
-        raise NotMonitored("the metrics rows carry no `monitor` field: the run was not trained with --monitor")
     steps = []
-    for s in sorted(by_step):
-        ranks = by_step[s]
+    for rec in sorted(records, key=lambda r: r["step"]):
+        ranks = {int(m["rank"]): m for m in rec["ranks"]}
         if len(ranks) < world:
-            break  # steps are logged in order: the first incomplete one ends what is known
+            break  # cannot happen (rank 0 writes whole steps), but then the step is unknown
         probe = {f"{h['src']}->{h['dst']}": {"time_s": h["time_s"], "crc_ok": h["crc_ok"]}
                  for m in ranks.values() for h in m["probe"]}
-        steps.append({"step": s, "probe": probe, "tcp": {r: m.get("tcp") or {} for r, m in ranks.items()},
+        for m in ranks.values():
+            for b in m.get("boundaries") or []:
+                hop = f"{b['src']}->{b['dst']}"
+                p = probe.setdefault(hop, {"time_s": None, "crc_ok": True})
+                p["crc_ok"] = p["crc_ok"] and b["crc_ok"]
+        steps.append({"step": rec["step"], "probe": probe, "tcp": {r: m.get("tcp") or {} for r, m in ranks.items()},
                       "collectives": {r: m.get("collectives") or [] for r, m in ranks.items()}})
     return {"hosts": meta["hosts"], "paths": meta["paths"], "directions": meta["directions"],
             "topology": meta.get("topology"), "steps": steps}
@@ -136,7 +136,7 @@ def timing(obs: dict, spike: float = SPIKE, spikes: int = SPIKES, window: int = 
     count = {h: 0 for h in obs["paths"]}  # steps in which the hop took >= spike x the median hop of that step
     detection, scores, n = None, {}, 0
     for st in obs["steps"]:
-        times = {h: p["time_s"] for h, p in st["probe"].items() if h in total}
+        times = {h: p["time_s"] for h, p in st["probe"].items() if h in total and p["time_s"] is not None}
         if not times:
             continue
         n += 1

@@ -10,19 +10,25 @@ After every training step (outside `step_time_s`), each rank:
      crc32 of what it received: a mismatch names the hop whose data changed on the way (delivered errors).
   3. reads its host's TCP counters (/proc/net/snmp, /proc/net/netstat of its network namespace): RetransSegs
      and InCsumErrors, what a host's NIC/stack counters would show.
-The result is the metrics row's `monitor` field (docs/locate.md): it travels to the launcher the way metrics do
-(the shared run directory; mirrored over SSH when hosts are on other machines).
+  4. sends the step's record (1-3) to rank 0 over the management network (two allgathers), as an agent reports
+     to a collector: rank 0 appends every rank's record of the step to RUN_DIR/monitor-ranks.jsonl
+     (docs/locate.md), which `testbed locate` reads. Nothing of it crosses a data link; when rank 0 runs on
+     another machine its file is mirrored like its metrics (over SSH, the management underlay).
 
 Under `scope: tensor` the engines corrupt the probe only if `p2p` is among the corrupted collectives;
 `testbed train --monitor` adds it (testbed/experiments/training.py).
 """
 
+import json
 import time
 import zlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from testbed.fileio import append_jsonl
+from testbed.locate.detectors import RANKS_FILE  # {"step", "ranks": [record of rank 0, 1, ...]} per line
 from testbed.locate.paths import phases
 
 PROBE_BYTES = 64 * 1024  # 524,288 bits: at BER 1e-5 ~5 flips per hop and step, P(no flip) ~ e^-5
@@ -60,8 +66,9 @@ def crc(t):
 
 
 class Monitor:
-    def __init__(self, rank, world_size, mgmt, seed, probe_bytes=PROBE_BYTES):
+    def __init__(self, rank, world_size, mgmt, seed, run_dir, probe_bytes=PROBE_BYTES):
         self.rank, self.world_size, self.mgmt, self.seed = rank, world_size, mgmt, seed
+        self.path = Path(run_dir) / RANKS_FILE
         self.n = probe_bytes // 4
         self.recv = torch.empty(self.n)
 
@@ -92,13 +99,33 @@ class Monitor:
             h["crc_ok"] = h.pop("crc") == int(sent[h["src"], h.pop("phase")])
         return hops
 
+    def gather(self, record):
+        """Every rank's record, on rank 0 (None elsewhere): JSON bytes, padded to the longest, allgathered over
+        the management group (gloo has no gather of unequal sizes)."""
+        data = json.dumps(record).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self.mgmt.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        n = max(int(x) for x in sizes)
+        buf = torch.zeros(n, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+        self.mgmt.allgather([out], [buf]).wait()
+        if self.rank != 0:
+            return None
+        return [json.loads(o[:int(k)].numpy().tobytes()) for o, k in zip(out, sizes)]
+
     def after_step(self, step, trainer, m):
-        """The `monitor` field of this step's metrics row."""
+        """Probe, record and report this step (rank 0 writes every rank's record). Returns this rank's record."""
         t0 = time.perf_counter()
         hops = self.probe(step)
         log = getattr(trainer, "comm_log", None)  # DDP: one entry per bucket allreduce
         if not log:
             log = [{"op": "allreduce" if m.get("allreduce_elements") is not None else "p2p",
                     "bytes": m.get("wire_bytes"), "time_s": m.get("comm_time_s")}]
-        return {"probe": hops, "collectives": list(log), "tcp": tcp_counters(),
-                "probe_time_s": time.perf_counter() - t0}
+        record = {"rank": self.rank, "probe": hops, "collectives": list(log), "tcp": tcp_counters(),
+                  "boundaries": getattr(trainer, "boundary_log", None) or [],
+                  "probe_time_s": time.perf_counter() - t0}
+        ranks = self.gather(record)
+        if ranks is not None:
+            append_jsonl(self.path, {"step": step, "time": time.time(), "ranks": ranks})
+        return record

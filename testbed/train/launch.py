@@ -171,7 +171,7 @@ def _clear(run_dir, world_size):
     """A run directory belongs to one run: remove what an earlier run left (stale progress would mislead),
     also files of ranks an earlier, larger run had."""
     run_dir = Path(run_dir)
-    for name in ("metrics.jsonl", "summary.json"):
+    for name in ("metrics.jsonl", "summary.json", "monitor-ranks.jsonl"):  # the last: rank 0's --monitor log
         (run_dir / name).unlink(missing_ok=True)
     for pattern in ("metrics-rank*.jsonl", "status-rank*.json", "worker-rank*.err", "final-rank*.pt"):
         for p in run_dir.glob(pattern):

@@ -10,6 +10,7 @@ clipping, so that only pipeline traffic travels on the (possibly corrupted) data
 
 import math
 import time
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,11 @@ if hasattr(_schedules, "_wait_batch_p2p"):
 
     _schedules._wait_batch_p2p = _timed_wait
     _p2p_wait["hooked"] = True
+
+
+def crc32(t):
+    """crc32 of a tensor's bytes (any dtype, bf16 included)."""
+    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def lm_loss(logits, target):
@@ -85,6 +91,10 @@ class PPTrainer:
         self.opt = recipe.make_optimizer(self.module.parameters(), args)
         self.counting, self.step = False, 0
         self.stats = {}
+        # --monitor (testbed/locate): crc32 of every activation and gradient each boundary sent and received,
+        # compared over the management network after the step (boundary_log): names the hop that changed data
+        self.checksums = bool(getattr(args, "monitor", False))
+        self.crcs, self.boundary_log = {}, []
         if not self.first:
             self.wire.register_forward_pre_hook(self._on_activations)
         if not self.last:
@@ -111,13 +121,26 @@ class PPTrainer:
                 self.debug.corrupt(x, self.step)
                 if self.inject is not None:
                     self.inject.corrupt_received(x, self.rank - 1)  # hop s-1 -> s
+                if self.checksums:
+                    self.crcs["fwd_recv"].append(crc32(x))
+                    # what this stage sends back to s-1 in the backward pass; the pipeline reuses its receive
+                    # buffers from step to step, so the hook is registered once per buffer
+                    if x.requires_grad and not getattr(x, "_testbed_crc_hook", False):
+                        x.register_hook(self._on_input_grad)
+                        x._testbed_crc_hook = True
                 clean = self._received(x, "nonfinite_activations")
                 if clean is not x:
                     x.copy_(clean)  # in place: the pipeline holds this leaf for the backward pass
 
     def _on_output(self, module, inputs, output):
+        if self.counting and self.checksums:
+            self.crcs["fwd_sent"].append(crc32(output))  # the activations sent to s+1
         if self.counting and output.requires_grad:
             output.register_hook(self._on_output_grad)
+
+    def _on_input_grad(self, grad):
+        if self.counting:
+            self.crcs["bwd_sent"].append(crc32(grad))  # the gradient sent to s-1
 
     def _on_output_grad(self, grad):
         # the gradient of this stage's output, just received from the next stage
@@ -127,7 +150,27 @@ class PPTrainer:
         if self.inject is not None:  # hop s+1 -> s; a copy, as above
             grad = grad.clone()
             self.inject.corrupt_received(grad, self.rank + 1)
+        if self.checksums:
+            self.crcs["bwd_recv"].append(crc32(grad))
         return self._received(grad, "nonfinite_gradients")
+
+    def _compare_boundaries(self):
+        """Each boundary's sent crc32s to everyone (management network, one int64 allreduce); the receiver
+        compares them with what it received, as multisets (the order of microbatches is the schedule's)."""
+        w, m, r = self.world_size, self.args.microbatches, self.rank
+        sent = torch.zeros(w, 2, m, dtype=torch.int64)
+        for i, key in enumerate(("fwd_sent", "bwd_sent")):
+            v = self.crcs[key][:m]
+            sent[r, i, :len(v)] = torch.tensor(v, dtype=torch.int64)
+        self.mgmt.allreduce([sent]).wait()
+        log = []
+        for src, i, key, what in ((r - 1, 0, "fwd_recv", "activations"), (r + 1, 1, "bwd_recv", "gradients")):
+            if 0 <= src < w:
+                got = self.crcs[key]
+                log.append({"src": src, "dst": r, "what": what, "microbatches": len(got),
+                            "crc_ok": sorted(got) == sorted(int(x) for x in sent[src, i, :len(got)])
+                            and len(got) == m})
+        return log
 
     def _run(self, fn, x, y):
         """Call schedule.step/eval with the arguments this stage takes; returns the mean microbatch loss
@@ -153,12 +196,15 @@ class PPTrainer:
         x, y = get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, 0)
         self.opt.zero_grad(set_to_none=True)
         wait0 = _p2p_wait["seconds"]
+        self.crcs = {k: [] for k in ("fwd_sent", "fwd_recv", "bwd_sent", "bwd_recv")}
         self.counting = True
         try:
             loss = self._run(self.schedule.step, x, y)  # gradients are averaged over microbatches
         finally:
             self.counting = False
         comm = _p2p_wait["seconds"] - wait0 if _p2p_wait["hooked"] else None
+        if self.checksums:
+            self.boundary_log = self._compare_boundaries()
         # global gradient norm over all stages, agreed over the management network
         params = [p for p in self.module.parameters() if p.grad is not None]
         sq = torch.tensor([sum(float(p.grad.pow(2).sum()) for p in params)], dtype=torch.float64)

@@ -239,8 +239,10 @@ class TrainSettings:
                                  "and applied on the GPU)", choices=("cpu", "cuda"))
     monitor: bool = setting(False, "fault localisation (docs/locate.md): after every step, time a probe to each "
                                    "ring neighbour over the data link and checksum it over the management "
-                                   "network, and record per-bucket collective times and the host's TCP "
-                                   "counters in the metrics row's `monitor`; `testbed locate RUN_DIR` reads them")
+                                   "network (pp: also every stage boundary's activations and gradients), record "
+                                   "per-bucket collective times and the host's TCP counters, and send it all to "
+                                   "rank 0 over the management network, which writes RUN_DIR/monitor-ranks.jsonl; "
+                                   "`testbed locate RUN_DIR` reads it")
     # the launcher's own settings: not passed to the workers
     hosts: int | None = setting(None, "use only the first N hosts of the topology (default: all)", ge=2,
                                 worker=False)

@@ -228,7 +228,7 @@ class Worker:
         if a.monitor:  # fault localisation (testbed/locate): probes, per-bucket times, TCP counters per step
             from testbed.locate.monitor import Monitor
 
-            monitor = Monitor(self.rank, self.world_size, self.mgmt, a.seed)
+            monitor = Monitor(self.rank, self.world_size, self.mgmt, a.seed, self.run_dir)
         named = trainer.named_parameters()
         n_params = sum(p.numel() for _, p in named)
         # on a GPU the fingerprint reads a host copy of the parameters, refreshed before each one
@@ -248,7 +248,8 @@ class Worker:
             t0 = time.perf_counter()
             m = trainer.train_step(step)
             step_time = time.perf_counter() - t0
-            mon = monitor.after_step(step, trainer, m) if monitor else None
+            if monitor:  # rank 0 writes every rank's record of the step (monitor-ranks.jsonl)
+                monitor.after_step(step, trainer, m)
             if injector is not None:
                 m.update(injector.take_step())
             eval_loss = None
@@ -268,7 +269,7 @@ class Worker:
                    "model": a.model, "seed": a.seed, "time": time.time(), "tokens": tokens_per_step,
                    "eval_loss": eval_loss, "initial_eval_loss": initial_eval if step == 0 else None,
                    "frozen": frozen, "step_time_s": step_time, "corrupted_values": None, **m, **fp,
-                   "fingerprint_time_s": time.perf_counter() - t1, "monitor": mon}
+                   "fingerprint_time_s": time.perf_counter() - t1}
             append_jsonl(common.metrics_path(self.run_dir, self.rank), row)
             self.log(f"step {step + 1}/{a.steps} loss {m['loss']:.4f}"
                      + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
