@@ -226,14 +226,14 @@ def ring4():
         yield tb
 
 
-def monitored_run(tb, out, link, checksum, steps, mode="ddp", ber=1e-5):
+def monitored_run(tb, out, link, checksum, steps, mode="ddp", ber=1e-5, on_detection="none"):
     from testbed.experiments.training import train
     from testbed.train.settings import TrainSettings
 
     for l in tb.topo.links:
         tb.set_link(l.name, ber=ber if l.name == link else 0.0, checksum=checksum)
     cfg = TrainSettings(mode=mode, model="tiny", steps=steps, seed=1, batch_size=2 if mode == "ddp" else 4,
-                        seq_len=32, monitor=True,
+                        seq_len=32, monitor=True, on_detection=on_detection,
                         timeout=30, stall_timeout=60, run_timeout=300)
     try:
         s = train(tb.name, cfg, out, log=lambda m: None)
@@ -317,3 +317,24 @@ def test_pp_stage_boundaries_are_checksummed(ring4, tmp_path):
     assert bad == {(1, 2), (2, 1)}, bounds
     det = result["detectors"]["consistency"]["detection"]
     assert det and det["link"] == "h2-h3", result["detectors"]["consistency"]
+
+
+@pytest.mark.privileged
+def test_on_detection_clean_sets_the_named_link_clean_while_training_goes_on(ring4, tmp_path):
+    # Fix mode, BER 1e-5 on h2-h3: the consistency detector is confident after the first mismatched step
+    # (a probe through the link arrives intact with p = e^-5.2). The launcher then sets h2-h3 to BER 0: from
+    # the next step on nothing can flip, so every probe of those steps arrives intact (exact, not statistical).
+    out = tmp_path / "act"
+    monitored_run(ring4, out, "h2-h3", "fix", steps=10, on_detection="clean")
+    actions = [json.loads(x) for x in (out / detectors.ACTIONS_FILE).read_text().splitlines()]
+    assert len(actions) == 1 and actions[0]["link"] == "h2-h3" and actions[0]["action"] == "clean", actions
+    from testbed.locate.cli import actions_taken
+
+    (a,) = actions_taken(out)
+    assert a["first_step_after"] is not None and a["steps_after"] >= 1, a
+    obs = detectors.load(out)
+    after = [st for st in obs["steps"] if st["step"] >= a["first_step_after"]]
+    assert after and all(p["crc_ok"] for st in after for p in st["probe"].values()), after
+    assert any(not p["crc_ok"] for st in obs["steps"] for p in st["probe"].values())  # what it acted on
+    r = tb_cli("locate", str(out))
+    assert r.returncode == 0 and "action (consistency" in r.stdout and "clean h2-h3" in r.stdout, r.stdout

@@ -87,7 +87,7 @@ ModelName = Literal[tuple(PRESETS)]
 
 # Training settings added after results had been published, with their defaults: a point that leaves them so
 # keeps its earlier fingerprint (finished points stay reusable); any other value is part of the hash.
-LATER_DEFAULTS = {"injector": "wire", "device": "cpu", "monitor": False}
+LATER_DEFAULTS = {"injector": "wire", "device": "cpu", "monitor": False, "on_detection": "none"}
 
 
 class LatencySpec(_Strict):

@@ -47,11 +47,32 @@ def cmd_locate(args) -> int:
     except NotMonitored as e:
         raise CliError(str(e), EXIT_INPUT) from None
     flips = engine_flips(run_dir)
+    actions = actions_taken(run_dir)
     if args.json:
-        print(json.dumps({**result, "engine_flips": flips}, indent=2))
+        print(json.dumps({**result, "engine_flips": flips, "actions": actions}, indent=2))
     else:
         print(format_result(result, flips))
+        for a in actions:
+            fmt = lambda v: f"{v:.3f} s" if v is not None else "-"  # noqa: E731
+            print(f"action ({a['detector']}, confident at step {a['detection_step']}): {a['action']} {a['link']}, "
+                  f"in force from step {a['first_step_after']}; median step time {fmt(a['step_time_before_s'])} "
+                  f"over {a['steps_before']} steps before, {fmt(a['step_time_after_s'])} over {a['steps_after']} "
+                  "after")
     return 0
+
+
+def actions_taken(run_dir: Path) -> list[dict]:
+    """The launcher's actions on detections (on_detection), each with the step times before and after it."""
+    from ..fileio import read_jsonl
+    from .detectors import ACTIONS_FILE, recovery
+
+    path = run_dir / ACTIONS_FILE
+    if not path.exists():
+        return []
+    files = [run_dir / "metrics.jsonl"] if (run_dir / "metrics.jsonl").exists() else sorted(
+        run_dir.glob("metrics-rank*.jsonl"))
+    rows = [r for f in files for r in read_jsonl(f)]
+    return [recovery(a, rows) for a in read_jsonl(path)]
 
 
 def register(sub) -> None:

@@ -48,6 +48,7 @@ DETECTORS = ("timing", "consistency", "counters")
 MONITOR_FILE = "monitor.json"  # written by the launcher: rank -> host, hop paths (testbed/experiments/training.py)
 ENGINES_FILE = "monitor-engines.jsonl"  # the launcher's samples of the engines' counters (ground truth)
 RANKS_FILE = "monitor-ranks.jsonl"  # rank 0's collection of every rank's records (testbed/locate/monitor.py)
+ACTIONS_FILE = "monitor-actions.jsonl"  # the launcher's action on a detection (on_detection; launcher.py)
 
 
 class NotMonitored(ValueError):
@@ -240,6 +241,27 @@ def locate(obs: dict) -> dict:
             per_rank.setdefault(int(r), []).append(t)
     out["collective_time_s"] = {obs["hosts"][r]: statistics.median(v) for r, v in sorted(per_rank.items()) if v}
     return out
+
+
+def recovery(action: dict, rows: list[dict]) -> dict:
+    """What an action on a detection did to the step time (metrics rows: step, time, step_time_s per rank). A
+    step is before the action if every rank finished it before the action, after it if every rank had
+    finished the previous step by then (the step in flight is left out); the step time is the slowest rank's."""
+    ends: dict[int, float] = {}
+    took: dict[int, float] = {}
+    for r in rows:
+        if r.get("step") is None or r.get("step_time_s") is None:
+            continue
+        ends[r["step"]] = max(ends.get(r["step"], 0.0), r["time"])
+        took[r["step"]] = max(took.get(r["step"], 0.0), r["step_time_s"])
+    t = action["time"]
+    before = [took[k] for k in sorted(took) if ends[k] < t]
+    after = [took[k] for k in sorted(took) if k - 1 in ends and ends[k - 1] >= t]
+    first_after = min((k for k in took if k - 1 in ends and ends[k - 1] >= t), default=None)
+    med = statistics.median
+    return {**action, "first_step_after": first_after, "steps_before": len(before), "steps_after": len(after),
+            "step_time_before_s": med(before) if before else None,
+            "step_time_after_s": med(after) if after else None}
 
 
 def score(result: dict, fault_link: str | None) -> dict:

@@ -5,6 +5,9 @@
 - monitor-engines.jsonl: the engines' counters per link direction (bits flipped, packets modified), sampled
   every SAMPLE_S while the workers run. This is the ground truth of where errors happened (and what a PHY's
   error counters would show); the detectors do not read it, `testbed locate` prints it beside them.
+- with on_detection clean: the detectors run on rank 0's collection every SAMPLE_S; when the first becomes
+  confident, the link it names gets BER 0 on both directions (tb.set_link, what `testbed link set` does),
+  once, logged in monitor-actions.jsonl. The run goes on: `testbed locate` compares step times before and after.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..fileio import write_json_atomic
-from .detectors import ENGINES_FILE, MONITOR_FILE
+from ..fileio import append_jsonl, write_json_atomic
+from . import detectors
+from .detectors import ACTIONS_FILE, ENGINES_FILE, MONITOR_FILE, RANKS_FILE
 from .paths import hop_paths, link_directions
 
 SAMPLE_S = 0.5
@@ -36,10 +40,15 @@ def monitoring(tb, cfg, run_dir, hosts: list[str]):
         yield
         return
     run_dir = Path(run_dir)
+    for name in (ENGINES_FILE, ACTIONS_FILE, RANKS_FILE):  # an earlier run's, in the same directory
+        (run_dir / name).unlink(missing_ok=True)
     write_json_atomic(run_dir / MONITOR_FILE, describe(tb.topo, hosts))
     stop = threading.Event()
 
+    act = getattr(cfg, "on_detection", "none") != "none"
+
     def sample():
+        acted = not act
         with open(run_dir / ENGINES_FILE, "a") as f:
             while True:
                 try:
@@ -50,6 +59,8 @@ def monitoring(tb, cfg, run_dir, hosts: list[str]):
                                                         for k, v in snap.items()}}
                 f.write(json.dumps(row) + "\n")
                 f.flush()
+                if not acted:
+                    acted = act_on_detection(tb, run_dir, cfg.on_detection)
                 if stop.wait(SAMPLE_S):
                     return
 
@@ -60,6 +71,26 @@ def monitoring(tb, cfg, run_dir, hosts: list[str]):
     finally:
         stop.set()
         t.join(timeout=10)
+
+
+def act_on_detection(tb, run_dir: Path, action: str) -> bool:
+    """Run the detectors on what rank 0 has collected so far; on the first confident call (the earliest step;
+    ties: timing, consistency, counters) clean the link it names. True once acted."""
+    try:
+        result = detectors.locate(detectors.load(run_dir))
+    except (detectors.NotMonitored, OSError, ValueError):  # nothing collected yet
+        return False
+    calls = [(r["detection"]["step"], i, name, r["detection"]) for i, (name, r) in
+             enumerate(result["detectors"].items()) if r["detection"]]
+    if not calls:
+        return False
+    step, _, name, det = min(calls)
+    if action == "clean":
+        tb.set_link(det["link"], ber=0.0)
+    append_jsonl(run_dir / ACTIONS_FILE, {"time": time.time(), "action": action, "link": det["link"],
+                                          "detector": name, "detection_step": step,
+                                          "steps_observed": result["steps_observed"]})
+    return True
 
 
 def engine_flips(run_dir) -> dict[str, int]:

@@ -244,6 +244,11 @@ class TrainSettings:
                                    "rank 0 over the management network, which writes RUN_DIR/monitor-ranks.jsonl; "
                                    "`testbed locate RUN_DIR` reads it")
     # the launcher's own settings: not passed to the workers
+    on_detection: str = setting("none", "with --monitor: what the launcher does when a detector first becomes "
+                                        "confident: none, or clean: set the named link's BER to 0 on both "
+                                        "directions (`link set`, as a repair swaps the optics) and log it in "
+                                        "RUN_DIR/monitor-actions.jsonl; `testbed locate` prints the step time "
+                                        "before and after", choices=("none", "clean"), worker=False)
     hosts: int | None = setting(None, "use only the first N hosts of the topology (default: all)", ge=2,
                                 worker=False)
     collectives: list[str] | None = setting(None, "scope tensor: corrupt only these gloo collectives, "
@@ -270,6 +275,8 @@ class TrainSettings:
         if self.device == "cuda" and (self.injector != "process" or self.mode != "ddp"):
             raise ValueError("device: cuda needs injector process and mode ddp (the wire's hosts and PP's "
                              f"pipeline run on CPU), got injector {self.injector}, mode {self.mode}")
+        if self.on_detection != "none" and not self.monitor:
+            raise ValueError(f"on_detection: {self.on_detection} needs monitor (the detectors read its records)")
         if self.mode == "pp" and self.microbatches and self.batch_size % self.microbatches:
             raise ValueError(f"microbatches: must divide batch_size {self.batch_size}, got {self.microbatches}")
 
