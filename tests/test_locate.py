@@ -134,6 +134,14 @@ def test_incomplete_steps_are_not_used_and_unmonitored_runs_are_refused(tmp_path
         detectors.load(tmp_path)
 
 
+def test_on_detection_needs_monitor():
+    from testbed.train.settings import TrainSettings
+
+    with pytest.raises(ValueError, match="on_detection: clean needs monitor"):
+        TrainSettings(mode="ddp", model="tiny", on_detection="clean")
+    assert TrainSettings(mode="ddp", model="tiny", monitor=True, on_detection="clean").on_detection == "clean"
+
+
 def test_pp_boundary_checksums_count_as_the_hops_consistency():
     # A PP stage boundary whose activations arrived changed makes its hop inconsistent even when the probe of
     # that step arrived intact; an intact boundary leaves the probe's verdict alone.
