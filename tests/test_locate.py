@@ -138,8 +138,8 @@ def test_on_detection_needs_monitor():
     from testbed.train.settings import TrainSettings
 
     with pytest.raises(ValueError, match="on_detection: clean needs monitor"):
-        TrainSettings(mode="ddp", model="tiny", on_detection="clean")
-    assert TrainSettings(mode="ddp", model="tiny", monitor=True, on_detection="clean").on_detection == "clean"
+        TrainSettings(mode="ddp", model="tiny", steps=1, on_detection="clean")
+    assert TrainSettings(mode="ddp", model="tiny", steps=1, monitor=True, on_detection="clean").on_detection == "clean"
 
 
 def test_pp_boundary_checksums_count_as_the_hops_consistency():
