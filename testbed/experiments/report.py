@@ -463,7 +463,7 @@ def latency_section(latency: dict | None, plot_line: str) -> list[str]:
     if not entries:
         return out + ["No latency measurements: latency.json is missing or empty (the experiment file has no "
                       "`latency:` section, or `testbed bench latency` did not finish).", "", plot_line, ""]
-    where = ", ".join(f"{k} {latency[k]}" for k in ("topology", "link", "runtime", "size", "count")
+    where = ", ".join(f"{k} {latency[k]}" for k in ("topology", "link", "runtime", "engine", "size", "count")
                       if latency.get(k))
     out += [f"Ping-pong round trips over one emulated link ({where}); `fix` delivers errored frames with a "
             "repaired checksum (a relaxed link), `keep` leaves the checksum wrong, so the kernel drops the segment "

@@ -118,7 +118,7 @@ class Monitor:
         """Probe, record and report this step (rank 0 writes every rank's record). Returns this rank's record."""
         t0 = time.perf_counter()
         hops = self.probe(step)
-        log = getattr(trainer, "comm_log", None)  # DDP: one entry per bucket allreduce
+        log = getattr(trainer, "comm_log", None)  # DDP: one entry per bucket allreduce; PP: per p2p batch
         if not log:
             log = [{"op": "allreduce" if m.get("allreduce_elements") is not None else "p2p",
                     "bytes": m.get("wire_bytes"), "time_s": m.get("comm_time_s")}]

@@ -26,8 +26,9 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 # Time spent waiting for pipeline send/recv. The schedules wait on their P2P work through this module-level
 # function; wrapping it is the one place that sees every wait (a private name: if it disappears, comm time
-# is reported as null rather than wrong).
-_p2p_wait = {"seconds": 0.0, "hooked": False}
+# is reported as null rather than wrong). Each wait is one batch of p2p operations (a microbatch's sends and
+# receives at this stage): for --monitor its time and operation count are logged too.
+_p2p_wait = {"seconds": 0.0, "hooked": False, "log": []}
 if hasattr(_schedules, "_wait_batch_p2p"):
     _orig_wait = _schedules._wait_batch_p2p
 
@@ -36,7 +37,9 @@ if hasattr(_schedules, "_wait_batch_p2p"):
         try:
             return _orig_wait(work)
         finally:
-            _p2p_wait["seconds"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            _p2p_wait["seconds"] += dt
+            _p2p_wait["log"].append((dt, len(work) if isinstance(work, (list, tuple)) else 1))
 
     _schedules._wait_batch_p2p = _timed_wait
     _p2p_wait["hooked"] = True
@@ -77,6 +80,8 @@ class PPTrainer:
             return x, out
 
         example_in, example_out = examples(dtype)
+        self.boundary_bytes = mb * T * cfg.n_embd * torch.empty((), dtype=dtype).element_size()
+        self.comm_log = []
         self.stage = PipelineStage(self.wire, rank, world_size, torch.device("cpu"),
                                    input_args=example_in, output_args=example_out)
         self.schedule = SCHEDULES[args.schedule](self.stage, args.microbatches, loss_fn=lm_loss)
@@ -195,7 +200,7 @@ class PPTrainer:
         # every stage draws the same global batch (data-parallel rank 0); stage 0 uses x, the last uses y
         x, y = get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, 0)
         self.opt.zero_grad(set_to_none=True)
-        wait0 = _p2p_wait["seconds"]
+        wait0, log0 = _p2p_wait["seconds"], len(_p2p_wait["log"])
         self.crcs = {k: [] for k in ("fwd_sent", "fwd_recv", "bwd_sent", "bwd_recv")}
         self.counting = True
         try:
@@ -203,6 +208,12 @@ class PPTrainer:
         finally:
             self.counting = False
         comm = _p2p_wait["seconds"] - wait0 if _p2p_wait["hooked"] else None
+        # per transfer, for --monitor (testbed/locate): each p2p batch's time; bytes = its operations x the size
+        # of a boundary tensor (every send and receive of a stage moves one microbatch's hidden states)
+        waits = _p2p_wait["log"][log0:]
+        del _p2p_wait["log"][:]
+        self.comm_log = [{"op": "p2p", "transfer": i, "bytes": n * self.boundary_bytes, "time_s": dt}
+                         for i, (dt, n) in enumerate(waits)]
         if self.checksums:
             self.boundary_log = self._compare_boundaries()
         # global gradient norm over all stages, agreed over the management network
