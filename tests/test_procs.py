@@ -25,7 +25,9 @@ def test_alive_needs_the_same_start_time():
     p = _sleeper()
     try:
         started = procs.start_time(p.pid)
-        assert started is not None and procs.state(p.pid) in ("R", "S")
+        # a live child may be running, sleeping, or in disk sleep (D: a python still reading its modules, seen
+        # once under load); what matters is that it is not a zombie
+        assert started is not None and procs.state(p.pid) in ("R", "S", "D")
         assert procs.alive(p.pid) and procs.alive(p.pid, started)
         assert not procs.alive(p.pid, started + 1)  # a later process that got the same pid is not ours
     finally:
