@@ -342,3 +342,19 @@ def test_pp_stage_boundaries_are_checksummed(ring4, tmp_path):
     assert bad == {(1, 2), (2, 1)}, bounds
     det = result["detectors"]["consistency"]["detection"]
     assert det and det["link"] == "h2-h3", result["detectors"]["consistency"]
+
+
+def test_the_launcher_reads_rank0s_collection_incrementally(tmp_path):
+    # on_detection runs the detectors every 0.5 s: only the lines appended since the last look are parsed,
+    # and a line still being written waits
+    from testbed.locate.launcher import _Collected
+
+    c = _Collected(tmp_path)
+    assert not c.read_new()  # no file yet
+    path = tmp_path / detectors.RANKS_FILE
+    path.write_text('{"step": 0, "ranks": []}\n{"step": 1, "ranks": []}\n{"step": 2, "ra')
+    assert c.read_new() and [r["step"] for r in c.records] == [0, 1]
+    assert not c.read_new()  # nothing whole since
+    with open(path, "a") as f:
+        f.write('nks": []}\n')
+    assert c.read_new() and [r["step"] for r in c.records] == [0, 1, 2]

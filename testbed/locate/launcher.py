@@ -46,6 +46,7 @@ def monitoring(tb, cfg, run_dir, hosts: list[str]):
     stop = threading.Event()
 
     act = getattr(cfg, "on_detection", "none") != "none"
+    collected = _Collected(run_dir)
 
     def sample():
         acted = not act
@@ -59,8 +60,8 @@ def monitoring(tb, cfg, run_dir, hosts: list[str]):
                                                         for k, v in snap.items()}}
                 f.write(json.dumps(row) + "\n")
                 f.flush()
-                if not acted:
-                    acted = act_on_detection(tb, run_dir, cfg.on_detection)
+                if not acted and collected.read_new():
+                    acted = act_on_detection(tb, run_dir, cfg.on_detection, collected)
                 if stop.wait(SAMPLE_S):
                     return
 
@@ -73,13 +74,36 @@ def monitoring(tb, cfg, run_dir, hosts: list[str]):
         t.join(timeout=10)
 
 
-def act_on_detection(tb, run_dir: Path, action: str) -> bool:
+class _Collected:
+    """Rank 0's collection as it grows: each call reads only the lines appended since the last one (a whole
+    re-read every SAMPLE_S would cost a long run's launcher more and more CPU beside its workers)."""
+
+    def __init__(self, run_dir: Path):
+        self.path, self.offset, self.records = run_dir / RANKS_FILE, 0, []
+        self.meta = None
+
+    def read_new(self) -> bool:
+        """Whether whole new lines arrived."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return False
+        end = data.rfind(b"\n") + 1  # a line being written waits for the next call
+        if not end:
+            return False
+        self.records += [json.loads(ln) for ln in data[:end].splitlines() if ln.strip()]
+        self.offset += end
+        return True
+
+
+def act_on_detection(tb, run_dir: Path, action: str, collected: _Collected) -> bool:
     """Run the detectors on what rank 0 has collected so far; on the first confident call (the earliest step;
     ties: timing, consistency, counters) clean the link it names. True once acted."""
-    try:
-        result = detectors.locate(detectors.load(run_dir))
-    except (detectors.NotMonitored, OSError, ValueError):  # nothing collected yet
-        return False
+    if collected.meta is None:
+        collected.meta = json.loads((run_dir / MONITOR_FILE).read_text())
+    result = detectors.locate(detectors.observations(collected.meta, collected.records))
     calls = [(r["detection"]["step"], i, name, r["detection"]) for i, (name, r) in
              enumerate(result["detectors"].items()) if r["detection"]]
     if not calls:
