@@ -71,7 +71,7 @@ test: deps docker-engine
 test-all: deps docker-engine
 	$(PY) -m pytest -q -m "not vm" $(PYTEST_ARGS) tests
 
-# Two qemu VMs from a Debian image built here (testbed/vm.py; the first run builds it, ~2-3 min) carrying a
+# Two qemu VMs from a Debian image built here (testbed/machines/vm.py; the first run builds it, ~2-3 min) carrying a
 # topology across them through --machines: ~4-5 min with the image cached, ~7 min with the build.
 VM_PACKAGES := qemu-system-x86 debootstrap e2fsprogs debian-archive-keyring
 vm-deps:

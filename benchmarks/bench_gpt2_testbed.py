@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from testbed.experiments.training import train  # noqa: E402
 from testbed.train.settings import TrainSettings  # noqa: E402
 from testbed.fileio import read_jsonl  # noqa: E402
-from testbed.topo import Topology  # noqa: E402
+from testbed.topology.topo import Topology  # noqa: E402
 
 
 def per_step(run_dir: Path, key: str) -> list[float]:

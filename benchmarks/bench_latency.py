@@ -1,6 +1,6 @@
 """Retransmission (checksum keep) against delivered errors (checksum fix): TCP ping-pong RTT over the pair
 topology's link for no engine, BER 0, and fix/keep at each BER, plus gloo collective timing on pair. A thin
-wrapper of testbed.experiments.bench (`testbed bench latency` / `testbed bench collective`).
+wrapper of testbed.bench.commands (`testbed bench latency` / `testbed bench collective`).
 
     .venv/bin/python benchmarks/bench_latency.py [--repeat 3] [--count 500] [--bers 0,1e-6,1e-5]
                                                  [--out results/bench_latency]
@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from testbed.experiments.bench import (collective_table, latency_table, measure_collective,  # noqa: E402
+from testbed.bench.commands import (collective_table, latency_table, measure_collective,  # noqa: E402
                                        measure_latency)
-from testbed.topo import Topology  # noqa: E402
+from testbed.topology.topo import Topology  # noqa: E402
 
 
 def main() -> int:

@@ -30,7 +30,7 @@ from testbed.experiments.training import train  # noqa: E402
 from testbed.fileio import read_jsonl, write_json_atomic  # noqa: E402
 from testbed.locate.cli import actions_taken  # noqa: E402
 from testbed.locate.faults import pick_link  # noqa: E402
-from testbed.topo import Topology  # noqa: E402
+from testbed.topology.topo import Topology  # noqa: E402
 from testbed.train.settings import TrainSettings  # noqa: E402
 
 

@@ -18,7 +18,7 @@ between real machines does.
 - pair (topologies/pair.yaml), four copies up for the whole measurement: two on 1 machine (h1-h2 a veth) and
   two on 2 machines (h1-h2 a VXLAN tunnel, MTU 1450); one of each never gets an engine (the references), the
   other gets one on h1->h2 (`testbed link set ... --ber 0 --scope payload`, later `--ber 1e-6`). The project's
-  probe (`python -m testbed.engine.probe recv` in h2, started with Remote.start; `send` in h1, through
+  probe (`python -m testbed.bench.probe recv` in h2, started with Remote.start; `send` in h1, through
   cluster.exec_in: both `testbed exec` on the host's machine, with the testbed's own Python there) measures TCP
   throughput h1 -> h2. Each repetition measures all four copies in a rotating order, --reps repetitions per
   engine setting; ratios per repetition against the veth without an engine of the same repetition (the
@@ -178,8 +178,8 @@ def bench_ring(topos: Topologies, machines, inventories: dict[int, str], file: s
             runs[c].append({"up_s": up_s, "down_s": down_s, "left": left})
         log(f"{label} rep {rep + 1}/{reps}: " + ", ".join(
             f"{c} {v[-1]['up_s']:.1f}+{v[-1]['down_s']:.1f}s" for c, v in runs.items()))
-    from testbed.placement import place
-    from testbed.topo import Topology
+    from testbed.machines.placement import place
+    from testbed.topology.topo import Topology
 
     topo = Topology.load(file)
     out = {}
@@ -216,16 +216,16 @@ def _result(text: str) -> dict:
 
 def probe_once(name: str, nbytes: int, port: int, timeout: float = 120) -> dict:
     """One probe transfer h1 -> h2 of topology `name` (on their machines); sender's and receiver's results."""
-    from testbed import cluster
-    from testbed.remote import Remote
+    from testbed.machines import cluster
+    from testbed.machines.remote import Remote
     from testbed.state import State
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     record = cluster.cluster_of(name)
     machines = cluster._machines_of(record)
     tx_m, rx_m = machines[record["placement"]["h1"]], machines[record["placement"]["h2"]]
     dst = str(Topology.from_dict(State.load(name).data["topology"]).plan.data_address("h2"))
-    probe = ["-m", "testbed.engine.probe"]
+    probe = ["-m", "testbed.bench.probe"]
     with Remote.connect(rx_m) as r:
         rx = r.start([*rx_m.testbed_argv, "exec", "--topo", name, "h2", "--", cluster.python_of(rx_m), *probe,
                       "recv", "--port", str(port), "--bytes", str(nbytes), "--timeout", str(timeout)])
@@ -255,7 +255,7 @@ def probe_once(name: str, nbytes: int, port: int, timeout: float = 120) -> dict:
 
 def engine_counters(name: str) -> dict:
     """The counters of the engine on h1->h2 (cumulative since it started)."""
-    from testbed import cluster
+    from testbed.machines import cluster
 
     for s in cluster.stats(name):
         if s.get("link") == "h1-h2" and s.get("direction") == "h1->h2":
@@ -270,7 +270,7 @@ def bench_throughput(topos: Topologies, inventories: dict[int, str], reps: int, 
     """Four pairs up for the whole measurement: a veth and a tunnel that never get an engine (the references)
     and a veth and a tunnel that get one. Each repetition measures all four, in a rotating order, so every
     ratio compares transfers made moments apart."""
-    from testbed import cluster
+    from testbed.machines import cluster
 
     pair = str(ROOT / "topologies" / "pair.yaml")
     names = {(k, eng): f"p{k[0]}{'e' if eng else 'c'}-{tag}" for k in LINKS for eng in (False, True)}

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testbed.net import Testbed  # noqa: E402
-from testbed.topo import Topology  # noqa: E402
+from testbed.topology.topo import Topology  # noqa: E402
 
 
 def star(n: int, name: str) -> Topology:

@@ -15,9 +15,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import nsutil, procs
-from .runtime.base import Host, all_runtimes, get_runtime
-from .state import HISTORY_ROOT, STATE_ROOT, State, running_names, state_dir, write_json_atomic
+from testbed import nsutil, procs
+from testbed.runtime.base import Host, all_runtimes, get_runtime
+from testbed.state import HISTORY_ROOT, STATE_ROOT, State, running_names, state_dir, write_json_atomic
 
 
 def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None = None) -> dict:
@@ -79,7 +79,7 @@ def _stop_unfinished_up(data: dict) -> None:
 
 def stop_engines(engines: dict) -> list[dict]:
     """Stop the engines recorded in a state file; return their final counters."""
-    from .engine.manager import EngineHandle, stop_engine  # the engine package, only when there are engines
+    from testbed.engine.manager import EngineHandle, stop_engine  # the engine package, only when there are engines
 
     finals = []
     for key, rec in engines.items():
@@ -142,7 +142,7 @@ def _sweep_bpf_pins(root: Path, everything: bool) -> list[str]:
     """bpf engines' pinned programs and maps (bpffs, mirroring the state path: testbed/engine/bpf/pins.py). A
     program's filter went with its namespace; unpinning frees what is left. `everything`: also pins whose
     state directory no longer exists (a killed test's, another state root's stale ones)."""
-    from .engine.bpf import pins
+    from testbed.engine.bpf import pins
 
     removed = []
     dirs = pins.engine_pin_dirs(pins.pins_under(root))
@@ -200,7 +200,7 @@ def _sweep_etc_netns(prefix: str) -> None:
 
 
 def _bpf_pins(topology: str | None) -> list[str]:
-    from .engine.bpf import pins
+    from testbed.engine.bpf import pins
 
     return [str(d) for d in pins.engine_pin_dirs(pins.pins_under(state_dir(topology) if topology else STATE_ROOT))]
 

@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
-from . import __version__
-from .errors import EXIT_CAPABILITY, EXIT_FAIL, EXIT_INPUT, CliError  # noqa: F401 (re-exported)
+from testbed import __version__
+from testbed.errors import EXIT_CAPABILITY, EXIT_FAIL, EXIT_INPUT, CliError  # noqa: F401 (re-exported)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -50,8 +50,8 @@ def describe_topology(tb) -> str:
 
 
 def _attach(name: str | None):
-    from .net import Testbed
-    from .state import running_names
+    from testbed.net import Testbed
+    from testbed.state import running_names
 
     if name is None:
         names = running_names()
@@ -70,17 +70,17 @@ def _attach(name: str | None):
 
 
 def _inventory(path):
-    from .inventory import load_inventory
+    from testbed.machines.inventory import load_inventory
 
     return load_inventory(path)  # InputError (exit 2) names the file, line and field
 
 
 def cmd_up(args) -> int:
-    from .net import Testbed
+    from testbed.net import Testbed
 
     if args.machines:
-        from . import cluster
-        from .topo import Topology
+        from testbed.machines import cluster
+        from testbed.topology.topo import Topology
 
         if args.capture:
             raise CliError("--capture is not available across machines yet", EXIT_INPUT)
@@ -101,10 +101,10 @@ def cmd_up(args) -> int:
 
 
 def cmd_down(args) -> int:
-    from .clean import clean_all, leftovers, teardown
-    from .state import running_names
+    from testbed.clean import clean_all, leftovers, teardown
+    from testbed.state import running_names
 
-    from . import cluster
+    from testbed.machines import cluster
 
     if args.all:
         errors = cluster.down_all(_inventory(args.machines) if args.machines else None)
@@ -143,8 +143,8 @@ def cmd_down(args) -> int:
 
 
 def topology_status(name: str) -> dict:
-    from . import cluster
-    from .net import Testbed
+    from testbed.machines import cluster
+    from testbed.net import Testbed
 
     if cluster.cluster_of(name) is not None:
         return cluster.status(name)
@@ -159,7 +159,7 @@ def topology_status(name: str) -> dict:
 
 
 def cmd_status(args) -> int:
-    from .state import running_names
+    from testbed.state import running_names
 
     names = [args.topo] if args.topo else running_names()
     if args.topo and args.topo not in running_names():
@@ -191,7 +191,7 @@ def cmd_exec(args) -> int:
         argv = argv[1:]
     if not argv:
         raise CliError("give a command after the host: testbed exec HOST -- CMD ...", EXIT_INPUT)
-    from . import cluster
+    from testbed.machines import cluster
 
     if args.topo and cluster.cluster_of(args.topo) is not None:
         try:
@@ -215,7 +215,7 @@ def cmd_exec(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import report, run_checks
+    from testbed.doctor import report, run_checks
 
     checks = run_checks()
     if args.json:
@@ -226,7 +226,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from . import cluster
+    from testbed.machines import cluster
 
     if args.topo and cluster.cluster_of(args.topo) is not None:
         stats = cluster.stats(args.topo)
@@ -265,9 +265,9 @@ def _dropped(s: dict) -> str:
 
 
 def cmd_link_set(args) -> int:
-    from .units import parse_probability
+    from testbed.topology.units import parse_probability
 
-    from . import cluster
+    from testbed.machines import cluster
 
     if args.topo and cluster.cluster_of(args.topo) is not None:
         forward = []
@@ -315,9 +315,9 @@ def cmd_link_set(args) -> int:
 
 
 def cmd_part_up(args) -> int:
-    """One machine's part of a cross-machine topology (run by the controller over SSH; see testbed/cluster.py)."""
-    from .net import Testbed
-    from .topo import Topology
+    """One machine's part of a cross-machine topology (run by the controller over SSH; see testbed/machines/cluster.py)."""
+    from testbed.net import Testbed
+    from testbed.topology.topo import Topology
 
     spec = json.loads(open(args.spec).read())
     topo = Topology.from_dict(spec["topology"], file=spec.get("file"))
@@ -329,15 +329,15 @@ def cmd_part_up(args) -> int:
 
 def cmd_part_link(args) -> int:
     """Engine operations on this machine's part of a cross-machine topology, for benchmarks the controller runs
-    (testbed/cluster.py ClusterTestbed): set (settings as JSON), detach, attach, restore (saved settings as JSON)."""
-    from .net import Testbed
+    (testbed/machines/cluster.py ClusterTestbed): set (settings as JSON), detach, attach, restore (saved settings as JSON)."""
+    from testbed.net import Testbed
 
     tb = Testbed.attach(args.topo)
     payload = json.loads(args.settings) if args.settings else {}
     if args.op == "set":
         tb.set_link(args.link, **payload)
     elif args.op in ("detach", "attach"):
-        from .engine.manager import attach_engine, detach_engine
+        from testbed.engine.manager import attach_engine, detach_engine
 
         for h in tb.engine_handles([args.link]).values():
             if h.rule:
@@ -375,7 +375,7 @@ def cmd_machine_info(args) -> int:
 
 
 def cmd_machines_from_ssh_config(args) -> int:
-    from .inventory import inventory_from_ssh_config
+    from testbed.machines.inventory import inventory_from_ssh_config
 
     text = sys.stdin.read() if args.file == "-" else open(args.file).read()
     print(inventory_from_ssh_config(text, "<stdin>" if args.file == "-" else args.file,
@@ -395,7 +395,7 @@ def _error_model_arg(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .runtime.base import runtime_names
+    from testbed.runtime.base import runtime_names
 
     p = argparse.ArgumentParser(
         prog="testbed",
@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "tunnels (Vagrant's private network: eth1 on Debian boxes); default: the route to the others")
     ms.set_defaults(fn=cmd_machines_from_ssh_config)
 
-    # used by the controller over SSH (testbed/cluster.py); not for people
+    # used by the controller over SSH (testbed/machines/cluster.py); not for people
     s = sub.add_parser("part-up")
     s.add_argument("spec")
     s.set_defaults(fn=cmd_part_up)
@@ -538,9 +538,9 @@ def _extensions():
 def main(argv: list[str] | None = None) -> int:
     from pyroute2.netlink.exceptions import NetlinkError
 
-    from .link import CapabilityMissing
-    from .runtime.base import RuntimeUnavailable
-    from .topo import TopologyError
+    from testbed.link import CapabilityMissing
+    from testbed.runtime.base import RuntimeUnavailable
+    from testbed.topology.topo import TopologyError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pyroute2 import NetNS
 
-from . import link, nsutil
+from testbed import link, nsutil
 
 
 @dataclass
@@ -58,8 +58,8 @@ def _nfqueue(path: str) -> tuple[bool, str]:
 
 
 def _bpf_engine(path: str) -> tuple[bool, str]:
-    from .engine.bpf import build
-    from .engine.bpf import engine as bpf_engine
+    from testbed.engine.bpf import build
+    from testbed.engine.bpf import engine as bpf_engine
 
     missing = build.missing_tools()
     if missing:
@@ -84,7 +84,7 @@ def _iptables_version() -> str:
 
 def _docker() -> tuple[bool, str]:
     try:
-        from .runtime.docker import engine_status
+        from testbed.runtime.docker import engine_status
         return engine_status()
     except ImportError:
         return False, "the docker runtime is not installed in this build"

@@ -13,8 +13,8 @@ import shutil
 from pyroute2 import NetNS
 from pyroute2.netlink.exceptions import NetlinkError
 
-from . import nsutil
-from .topo import OFFLOAD_FEATURES, LinkImpairment
+from testbed import nsutil
+from testbed.topology.topo import OFFLOAD_FEATURES, LinkImpairment
 
 BRIDGE = "br0"
 

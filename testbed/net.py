@@ -20,12 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from . import link, nsutil
-from .clean import teardown  # noqa: F401 (re-exported: `from testbed.net import teardown`)
-from .runtime.base import Host, Runtime, get_runtime
-from .state import State, claim, state_dir
-from .placement import VXLAN_OVERHEAD, engine_node
-from .topo import Link, LinkImpairment, Topology
+from testbed import link, nsutil
+from testbed.clean import teardown  # noqa: F401 (re-exported: `from testbed.net import teardown`)
+from testbed.runtime.base import Host, Runtime, get_runtime
+from testbed.state import State, claim, state_dir
+from testbed.machines.placement import VXLAN_OVERHEAD, engine_node
+from testbed.topology.topo import Link, LinkImpairment, Topology
 
 MGMT_IFNAME = "mgmt0"
 MGMT_TUNNEL = "vxmgmt"  # in the management namespace of each machine, when the topology spans machines
@@ -61,8 +61,8 @@ class Testbed:
         if engine_procs is not None and engine_procs not in ENGINE_PROCS:
             raise ValueError(f"engine_procs must be one of {', '.join(ENGINE_PROCS)}, got {engine_procs!r}")
         self.engine_procs = engine_procs
-        # On one machine of several (testbed/cluster.py): the nodes this machine builds and the VXLAN tunnel of
-        # each link that leaves them (testbed/placement.py, `parts`). None: every node, here.
+        # On one machine of several (testbed/machines/cluster.py): the nodes this machine builds and the VXLAN tunnel of
+        # each link that leaves them (testbed/machines/placement.py, `parts`). None: every node, here.
         self.part = part
         self.runtime_name = runtime or topology.runtime
         self.capture = capture
@@ -121,7 +121,7 @@ class Testbed:
         asks_bpf = [(l.name, d) for l in self.topo.links for d, _, _, imp in l.directions()
                     if imp.corrupts and imp.engine == "bpf"]
         if asks_bpf:
-            from .engine.bpf.engine import available
+            from testbed.engine.bpf.engine import available
 
             ok, why = available()
             if not ok:
@@ -252,7 +252,7 @@ class Testbed:
 
     def _engine_spec(self, l: Link, direction: str, imp: LinkImpairment):
         """The EngineSpec of one direction: its site, a queue number free in that namespace, its files."""
-        from .engine.manager import EngineSpec
+        from testbed.engine.manager import EngineSpec
 
         netns, iface, hook = self.engine_site(l, direction)
         engines = self.state.data["engines"]
@@ -282,7 +282,7 @@ class Testbed:
     def _start_engine(self, l: Link, direction: str, imp: LinkImpairment):
         """Start one direction's engine: its own process (or tc program), or, with engine_procs host, a lane of
         the NFQUEUE process already serving its namespace."""
-        from .engine.manager import join_engine, start_engine
+        from testbed.engine.manager import join_engine, start_engine
 
         spec = self._engine_spec(l, direction, imp)
         key = f"{l.name}/{direction}"
@@ -291,7 +291,7 @@ class Testbed:
 
     def _start_host_engines(self, wanted: list) -> None:
         """engine_procs host: one NFQUEUE process per namespace for all of its directions (bpf ones alone)."""
-        from .engine.manager import start_engine, start_engines
+        from testbed.engine.manager import start_engine, start_engines
 
         groups: dict[str, list] = {}
         for l, dname, imp in wanted:
@@ -312,8 +312,8 @@ class Testbed:
         propagates."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from .engine.bpf import build, pins
-        from .engine.manager import start_engine, stop_engine
+        from testbed.engine.bpf import build, pins
+        from testbed.engine.manager import start_engine, stop_engine
 
         members, rest = [], []
         for l, d, imp in wanted:
@@ -369,7 +369,7 @@ class Testbed:
 
     def _host_engine(self, netns: str):
         """With engine_procs host: the handle of a live NFQUEUE engine process in `netns`, to join; else None."""
-        from .engine.manager import handle_alive
+        from testbed.engine.manager import handle_alive
 
         if (self.engine_procs or self.state.data.get("engine_procs") or "direction") != "host":
             return None
@@ -395,13 +395,13 @@ class Testbed:
             return imp.engine
         if imp.scope not in ("payload", "all") or capture or (imp.checksum == "keep" and not peer_netns):
             return "nfqueue"
-        from .engine.bpf.engine import available
+        from testbed.engine.bpf.engine import available
 
         return "bpf" if available()[0] else "nfqueue"
 
     def _stop_engine(self, key: str) -> dict:
         """Stop the engine of `key` ("link/direction") and forget it; its final counters."""
-        from .engine.manager import EngineHandle, stop_engine
+        from testbed.engine.manager import EngineHandle, stop_engine
 
         rec = self.state.data["engines"][key]
         final = stop_engine(EngineHandle.from_dict(rec["handle"]))
@@ -411,7 +411,7 @@ class Testbed:
 
     def engine_handles(self, links: Iterable[str] | None = None) -> dict[str, Any]:
         """EngineHandle per "link/direction" (of `links` only, if given)."""
-        from .engine.manager import EngineHandle
+        from testbed.engine.manager import EngineHandle
 
         wanted = None if links is None else {self.topo.link(n).name for n in links}
         return {k: EngineHandle.from_dict(v["handle"]) for k, v in self.state.data["engines"].items()
@@ -419,7 +419,7 @@ class Testbed:
 
     def stats(self, links: Iterable[str] | None = None) -> list[dict]:
         """Each engine's counters and settings now (`alive: false` and the last saved counters if it died)."""
-        from .engine.manager import engine_stats
+        from testbed.engine.manager import engine_stats
         out = []
         for key, h in self.engine_handles(links).items():
             s = engine_stats(h)
@@ -459,7 +459,7 @@ class Testbed:
 
     def _restore_engines(self, links: list[str], saved: dict[str, dict], report: Callable[[str], None]) -> None:
         """Put `saved` settings back and stop the engines not in `saved`; `report` each that failed."""
-        from .engine.manager import set_engine
+        from testbed.engine.manager import set_engine
 
         for key, h in self.engine_handles(links).items():
             try:
@@ -477,7 +477,7 @@ class Testbed:
     def detached(self, link_name: str) -> Iterator["Testbed"]:
         """Inside, the engines of one link see no traffic (their NFQUEUE rules are removed, so the link passes
         it clean; the processes keep running); on leaving they are attached again."""
-        from .engine.manager import attach_engine, detach_engine
+        from testbed.engine.manager import attach_engine, detach_engine
 
         removed = []
         try:
@@ -493,7 +493,7 @@ class Testbed:
     def status(self) -> dict:
         """What `testbed status` reports: phase, hosts (present or not), engines (alive: the same process
         that was started, by pid and start time) and whether all is healthy, with the problems found."""
-        from .engine.manager import handle_alive
+        from testbed.engine.manager import handle_alive
 
         d = self.state.data
         hosts = {}
@@ -517,7 +517,7 @@ class Testbed:
     def set_link(self, link_name: str, direction: str | None = None, **settings) -> list[str]:
         """Change corruption settings of a running link (one direction or both) without touching its traffic.
         A direction without an engine gets one started."""
-        from .engine.manager import EngineSpec, set_engine
+        from testbed.engine.manager import EngineSpec, set_engine
 
         l = self.topo.link(link_name)
         names = [d[0] for d in l.directions()]

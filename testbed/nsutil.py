@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pyroute2 import netns as pr_netns
 
-from . import procs
+from testbed import procs
 
 NETNS_DIR = Path("/run/netns")
 # The prefix of every namespace (and container) this testbed makes; `down --all` sweeps exactly these. Several

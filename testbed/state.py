@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from .fileio import write_json_atomic  # noqa: F401 (imported from here by net.py and others)
+from testbed.fileio import write_json_atomic  # noqa: F401 (imported from here by net.py and others)
 
 STATE_ROOT = Path(os.environ.get("TESTBED_STATE_DIR", "/run/testbed"))
 HISTORY_ROOT = Path(os.environ.get("TESTBED_HISTORY_DIR", "/var/lib/testbed/history"))

@@ -94,7 +94,7 @@ def runtime(request) -> str:
 
 @pytest.fixture
 def load_topology():
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     def load(file: str, name: str | None = None, **overrides):
         topo = Topology.load(TOPOLOGIES / file if not os.path.isabs(file) else file,

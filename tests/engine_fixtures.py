@@ -22,7 +22,7 @@ from scipy import stats
 
 from testbed import procs
 from testbed.engine.manager import EngineSpec, engine_alive, start_engine, stop_engine
-from testbed.engine.probe import read_json_line  # noqa: F401  (tests import it from here)
+from testbed.bench.probe import read_json_line  # noqa: F401  (tests import it from here)
 
 PREFIX = "tbE"
 ADDR = {"a": "10.99.0.1", "b": "10.99.0.2"}
@@ -124,7 +124,7 @@ class VethLink:
         return p
 
     def probe(self, side: str, *args: str, **kw) -> subprocess.Popen:
-        return self.popen(side, [PYTHON, "-m", "testbed.engine.probe", *map(str, args)], **kw)
+        return self.popen(side, [PYTHON, "-m", "testbed.bench.probe", *map(str, args)], **kw)
 
     def run(self, side: str, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(["nsenter", f"--net={self.path[side]}", "--", *argv], capture_output=True,

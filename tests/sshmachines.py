@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Iterator
 
 from testbed import nsutil
-from testbed.inventory import Inventory, Machine, parse_inventory
-from testbed.remote import RELAY
-from testbed.vm import SSHD_COMMON
+from testbed.machines.inventory import Inventory, Machine, parse_inventory
+from testbed.machines.remote import RELAY
+from testbed.machines.vm import SSHD_COMMON
 
 SSHD = "/usr/sbin/sshd"
 NETNS_DIR = Path("/run/netns")

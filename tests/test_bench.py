@@ -16,10 +16,10 @@ from functools import lru_cache
 import pytest
 
 from conftest import ROOT, TOPOLOGIES, leftovers, running, tb_cli, unique_name
-from testbed.experiments.bench import BenchError, measure_latency
+from testbed.bench.commands import BenchError, measure_latency
 from testbed.net import Testbed as TB
 from testbed.net import teardown
-from testbed.topo import Topology
+from testbed.topology.topo import Topology
 
 DOCUMENTED = ("label", "engine", "ber", "checksum", "p50_us", "p90_us", "p99_us", "p999_us", "mean_us", "max_us",
               "samples_us")
@@ -31,7 +31,7 @@ def _bench_prefix() -> tuple[str, ...]:
     """`testbed bench` once the main command registers it; the module's own entry point until then."""
     if tb_cli("bench", "--help", timeout=60).returncode == 0:
         return (sys.executable, "-m", "testbed", "bench")
-    return (sys.executable, "-m", "testbed.experiments.bench")
+    return (sys.executable, "-m", "testbed.bench.commands")
 
 
 def bench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:

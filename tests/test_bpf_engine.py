@@ -216,7 +216,7 @@ def test_fix_on_the_ingress_hook(link):
 BIT_ERRORS_RECEIVER = r"""
 import json, socket, sys
 import numpy as np
-from testbed.engine.probe import CHUNK, expected_chunk
+from testbed.bench.probe import CHUNK, expected_chunk
 port, n, seed = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 ls = socket.socket(); ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); ls.bind(("0.0.0.0", port)); ls.listen(1)
 print(json.dumps({"listening": port}), flush=True)
@@ -612,7 +612,7 @@ topology:
 
 
 def test_topology_validation_of_engine(tmp_path):
-    from testbed.topo import Topology, TopologyError
+    from testbed.topology.topo import Topology, TopologyError
 
     ok = Topology.from_dict({"name": "bpfv", "topology": {"nodes": {"h1": {}, "h2": {}}, "links": [
         {"endpoints": ["h1:eth1", "h2:eth1"], "ber": 1e-6, "engine": "auto"}]}})
@@ -646,10 +646,10 @@ def test_topology_engine_bpf_up_stats_link_set_down(tmp_path):
         (key, h), = tb.engine_handles().items()
         assert h.spec.engine == "bpf" and h.pid == 0
         assert tb_cli("status", "--topo", name).returncode == 0
-        rx = tb.popen("h2", [tb.runtime.python, "-m", "testbed.engine.probe", "recv", "--port", "5002", "--bytes",
+        rx = tb.popen("h2", [tb.runtime.python, "-m", "testbed.bench.probe", "recv", "--port", "5002", "--bytes",
                              str(10 * MB), "--seed", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         read_json_line(rx, "listening")
-        tx = tb.popen("h1", [tb.runtime.python, "-m", "testbed.engine.probe", "send", "--host", tb.address("h2"),
+        tx = tb.popen("h1", [tb.runtime.python, "-m", "testbed.bench.probe", "send", "--host", tb.address("h2"),
                              "--port", "5002", "--bytes", str(10 * MB), "--seed", "3"],
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         read_json_line(tx, "result", 60)
@@ -716,7 +716,7 @@ def test_concurrent_flows_on_two_cpus_share_one_exact_stream(link):
         rxs.append(rx)
     for i, port in enumerate((5021, 5022)):
         txs.append(link.popen("a", ["taskset", "-c", str(i % (os.cpu_count() or 1)), PYTHON, "-m",
-                                    "testbed.engine.probe", "send", "--host", link.addr["b"], "--port", str(port),
+                                    "testbed.bench.probe", "send", "--host", link.addr["b"], "--port", str(port),
                                     "--bytes", str(n), "--seed", str(40 + i), "--sport", str(43000 + i)]))
     for tx in txs:
         read_json_line(tx, "result", 60)

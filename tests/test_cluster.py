@@ -16,9 +16,9 @@ import testbed.nsutil
 import testbed.state
 from conftest import TOPOLOGIES, tb_cli, unique_name
 from sshmachines import inventory_yaml, ssh_machines
-from testbed import cluster
-from testbed.inventory import load_inventory
-from testbed.remote import Remote
+from testbed.machines import cluster
+from testbed.machines.inventory import load_inventory
+from testbed.machines.remote import Remote
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def topo_hosts(name: str) -> list[str]:
 
 def data_address(name: str, node: str) -> str:
     from testbed.state import State
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     return str(Topology.from_dict(State.load(name).data["topology"]).plan.data_address(node))
 
@@ -204,7 +204,7 @@ def test_engine_on_a_cross_machine_link_delivers_app_counted_errors_equal_to_its
         assert r.returncode == 0, r.stderr
         nbytes = 40_000_000
         rx_remote = remote_for(name, "h2")
-        probe = [py(name, "h1"), "-m", "testbed.engine.probe"]
+        probe = [py(name, "h1"), "-m", "testbed.bench.probe"]
         rx = rx_remote.start([rx_remote.machine.testbed, "exec", "--topo", name, "h2", "--", *probe, "recv", "--port", "5004",
                               "--bytes", str(nbytes)], log_path=f"/tmp/probe-{name}.log")
         try:
@@ -330,7 +330,7 @@ def test_tiny_ddp_trains_across_two_machines_at_ber_1e5_tensor_scope(machines, t
     """Workers on their hosts' machines, results collected here. ~3.8e6 eligible bits per step and direction:
     ~76 flips expected per step at 1e-5, P(no flip in 10 steps) < e^-700."""
     from testbed.experiments.training import train
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
     from testbed.train.settings import TrainSettings
 
     ms, inv = machines

@@ -110,8 +110,8 @@ def test_exec_stdin_env_and_signals(docker_client, worker_image, load_topology):
 
 def test_limits_env_and_mounts(docker_client, worker_image, tmp_path):
     from testbed.runtime.docker import WORK_DIR
-    from testbed.topo import Topology
-    from testbed.units import parse_size
+    from testbed.topology.topo import Topology
+    from testbed.topology.units import parse_size
 
     name = unique_name("limits")
     f = tmp_path / "limits.yaml"

@@ -328,7 +328,7 @@ else:
     y = torch.empty(n, dtype=torch.float32)
     dist.recv(y, src=0)
     diff = y.numpy().view(np.uint32) ^ x.numpy().view(np.uint32)
-    from testbed.engine.probe import popcount
+    from testbed.bench.probe import popcount
     print(json.dumps({"p2p": {"bit_errors": popcount(diff)}}), flush=True)
     sys.stdin.readline()  # the test reads the engine's counters before more traffic flows
 for _ in range(5):  # collectives keep working: headers are never corrupted

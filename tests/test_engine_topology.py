@@ -23,7 +23,7 @@ topology:
 
 
 def probe(tb, host: str, *args) -> subprocess.Popen:
-    return tb.popen(host, [tb.runtime.python, "-m", "testbed.engine.probe", *map(str, args)],
+    return tb.popen(host, [tb.runtime.python, "-m", "testbed.bench.probe", *map(str, args)],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
 
 
@@ -156,7 +156,7 @@ def test_dead_engine_is_reported(tmp_path, runtime):
 
 
 def test_switch_direction_corrupts_at_receiving_host(runtime):
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     name = unique_name("swc")
     topo = Topology.from_dict({"name": name, "topology": {

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import ROOT, tb_cli
 from testbed.experiments.spec import Experiment
-from testbed.topo import TopologyError
-from testbed.yamlfile import InputError, parse_yaml
+from testbed.topology.topo import TopologyError
+from testbed.topology.yamlfile import InputError, parse_yaml
 
 PAIR = ROOT / "topologies" / "pair.yaml"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TESTBED, tb_cli
-from testbed.experiments import results
+from testbed.analysis import results
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROW_KEYS = {"point", "baseline", "experiment", "fingerprint", "mode", "ber", "scope", "checksum", "seed", "model",

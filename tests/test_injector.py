@@ -19,7 +19,7 @@ import torch
 from scipy import stats
 
 from testbed.engine import models
-from testbed.experiments.calibration import calibration, two_proportion_p
+from testbed.report.calibration import calibration, two_proportion_p
 from testbed.train import inject
 from testbed.train.inject import Hop, apply_flips, hop_pairs, ring_allreduce
 from testbed.train.settings import TrainSettings
@@ -151,7 +151,7 @@ def test_cuda_absent_is_a_clear_error():
 
 
 def test_topology_settings_the_process_injector_cannot_model_are_refused():
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     chain = Topology.load(os.path.join(TOPOLOGIES, "chain4.yaml"))
     with pytest.raises(ValueError, match="share no direct link"):
@@ -238,7 +238,7 @@ def test_ring_allreduce_sums_and_errors_reach_as_on_gloos_ring():
 
 def process_run(tmp_path, name, mode, steps, ber, seed=1, **train):
     from testbed.experiments.training import train as train_fn
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     cfg = TrainSettings(mode=mode, model="tiny", steps=steps, seed=seed, injector="process", seq_len=64,
                         timeout=20, run_timeout=180, **train)
@@ -248,7 +248,7 @@ def process_run(tmp_path, name, mode, steps, ber, seed=1, **train):
 
 def test_process_ddp_counts_every_bit_of_the_ring_and_is_reproducible(tmp_path):
     from testbed.train.fingerprint import bit_identical
-    from testbed.experiments.theory import param_count
+    from testbed.analysis.theory import param_count
 
     steps, ber = 6, 1e-5
     a = process_run(tmp_path, "a", "ddp", steps, ber, batch_size=4)
@@ -315,7 +315,7 @@ def test_small_calibration_against_the_wire(tmp_path):
     the same bits carried, flip counts consistent, and the report's calibration table with a verdict."""
     import yaml
 
-    from testbed.experiments.report import write_report
+    from testbed.report.report import write_report
     from testbed.experiments.runner import run_experiment
     from testbed.experiments.spec import Experiment
 

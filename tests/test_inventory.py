@@ -1,4 +1,4 @@
-"""The machines file (testbed.inventory): valid files, every error naming file, line and field, and OpenSSH
+"""The machines file (testbed.machines.inventory): valid files, every error naming file, line and field, and OpenSSH
 client configs (`vagrant ssh-config`) read directly and converted to YAML. Pure logic: no root needed."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
-from testbed.inventory import (MACHINE_NAME_RE, Inventory, Machine, inventory_from_ssh_config, is_ssh_config,
+from testbed.machines.inventory import (MACHINE_NAME_RE, Inventory, Machine, inventory_from_ssh_config, is_ssh_config,
                                load_inventory, parse_inventory)
-from testbed.yamlfile import InputError
+from testbed.topology.yamlfile import InputError
 
 EXAMPLE = """\
 machines:
@@ -113,7 +113,7 @@ def test_unknown_machine_name_is_a_clear_key_error():
 
 
 def test_machine_names_follow_the_node_name_rule():
-    from testbed.topo import NODE_NAME_RE
+    from testbed.topology.topo import NODE_NAME_RE
     assert MACHINE_NAME_RE.pattern == NODE_NAME_RE.pattern
 
 

@@ -18,8 +18,8 @@ from testbed.locate.faults import pick_link, with_fault
 from testbed.locate.launcher import describe
 from testbed.locate.paths import hop_paths
 from testbed.locate.scores import score_table
-from testbed.topo import Topology
-from testbed.yamlfile import InputError
+from testbed.topology.topo import Topology
+from testbed.topology.yamlfile import InputError
 
 RING4 = Topology.load(TOPOLOGIES / "ring4.yaml")
 STAR8 = Topology.load(TOPOLOGIES / "star8.yaml")

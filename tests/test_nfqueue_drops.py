@@ -144,7 +144,7 @@ def test_a_healthy_run_drops_nothing(link):
 # -- a topology: one process per host, `testbed stats`, run counters, live join, teardown -------------------------
 
 def _line(name: str):
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     return Topology.from_dict({"name": name, "topology": {
         "nodes": {"h1": {}, "h2": {}, "h3": {}},
@@ -180,10 +180,10 @@ def test_host_engine_process_drops_in_stats_and_live_join(capsys):
         assert json.loads(cli("status", "--topo", name, "--json")[1])[0]["healthy"]
         # corruption works on both lanes of the shared process
         for dst in ("h1", "h3"):
-            rx = tb.popen(dst, [PYTHON, "-m", "testbed.engine.probe", "recv", "--port", "5021", "--bytes", str(4 * MB),
+            rx = tb.popen(dst, [PYTHON, "-m", "testbed.bench.probe", "recv", "--port", "5021", "--bytes", str(4 * MB),
                                 "--seed", "4"], stdout=-1, stderr=-1, text=True)
             read_json_line(rx, "listening")
-            tx = tb.popen("h2", [PYTHON, "-m", "testbed.engine.probe", "send", "--host", tb.address(dst), "--port",
+            tx = tb.popen("h2", [PYTHON, "-m", "testbed.bench.probe", "send", "--host", tb.address(dst), "--port",
                                  "5021", "--bytes", str(4 * MB), "--seed", "4"], stdout=-1, stderr=-1, text=True)
             rres = read_json_line(rx, "result", 60)["result"]
             tx.wait(10), rx.wait(10)
@@ -226,7 +226,7 @@ def test_up_prints_what_engine_auto_resolved_to():
     from types import SimpleNamespace
 
     from testbed.cli import describe_topology
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     topo = Topology.from_dict({"name": "autoeng", "topology": {
         "nodes": {"h1": {}, "h2": {}},

@@ -26,7 +26,7 @@ from testbed.engine.packet import (
     ones_complement_sum,
     parse_ipv4,
 )
-from testbed.engine.probe import popcount
+from testbed.bench.probe import popcount
 
 SRC, DST = "10.99.0.1", "10.99.0.2"
 TCP_OPTS = [("MSS", 1460), ("SAckOK", b""), ("Timestamp", (12345, 0)), ("NOP", None), ("WScale", 7)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import TOPOLOGIES
-from testbed.placement import VNI_BLOCK, VXLAN_OVERHEAD, MachineView, parts, place, vni_base
-from testbed.topo import Topology, TopologyError
+from testbed.machines.placement import VNI_BLOCK, VXLAN_OVERHEAD, MachineView, parts, place, vni_base
+from testbed.topology.topo import Topology, TopologyError
 
 
 def load(name):

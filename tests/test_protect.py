@@ -21,7 +21,7 @@ from testbed.engine.config import EngineSpec
 from testbed.engine.gloo import GlooStreamTracker
 from testbed.engine.manager import engine_stats, set_engine
 from testbed.engine.packet import apply_flips
-from testbed.engine.probe import popcount
+from testbed.bench.probe import popcount
 from testbed.engine.protect import BitLayout, field_bits, normalize_protect, protected_positions, residual_keep
 
 ALPHA = 0.001
@@ -315,8 +315,8 @@ topology:
 
 
 def test_topology_files_set_protection_per_link_and_direction(tmp_path):
-    from testbed.elements import LinkImpairment
-    from testbed.topo import Topology, TopologyError
+    from testbed.topology.elements import LinkImpairment
+    from testbed.topology.topo import Topology, TopologyError
 
     f = tmp_path / "t.yaml"
     f.write_text(TOPO)
@@ -345,7 +345,7 @@ def test_topology_files_set_protection_per_link_and_direction(tmp_path):
 GLOO_PAIR = r"""
 import datetime, json, os, sys
 import numpy as np, torch, torch.distributed as dist
-from testbed.engine.probe import popcount
+from testbed.bench.probe import popcount
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 n = int(os.environ["N_BYTES"])

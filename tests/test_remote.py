@@ -1,4 +1,4 @@
-"""testbed.remote against real OpenSSH servers: two "machines" (namespaces with their own sshd, made by
+"""testbed.machines.remote against real OpenSSH servers: two "machines" (namespaces with their own sshd, made by
 tests/sshmachines.py), reached only through paramiko. Commands, environment, stdin, failures, timeouts, files,
 long-running processes, `check()` and every connection error. Root: creates namespaces and runs sshd."""
 
@@ -13,8 +13,8 @@ import pytest
 
 import testbed
 from sshmachines import inventory, namespaces_of, new_tag, ssh_machines
-from testbed.inventory import Inventory, Machine
-from testbed.remote import (AuthenticationError, CommandError, NotRootError, Remote, RemoteError, RemoteFileError,
+from testbed.machines.inventory import Inventory, Machine
+from testbed.machines.remote import (AuthenticationError, CommandError, NotRootError, Remote, RemoteError, RemoteFileError,
                             RemoteTimeoutError, Result, TestbedMissingError, UnreachableError, VersionError,
                             connect_all)
 

@@ -1,4 +1,4 @@
-"""Report, analysis and plots of an experiment (testbed/experiments/report.py, analysis.py, plots.py): pure
+"""Report, analysis and plots of an experiment (testbed/report/report.py, analysis.py, plots.py): pure
 logic on synthetic results.jsonl rows (built through the results schema, results.py) shaped like a real run (tiny GPT-2, 30 steps, DDP and PP on 2 hosts, BER 0/1e-6/1e-5/1e-4,
 2 seeds, some runs crashed or diverged with null fields), plus valid PNGs and the report's key table."""
 
@@ -11,7 +11,10 @@ import math
 import numpy as np
 import pytest
 
-from testbed.experiments import analysis, plots, report, results
+from testbed.analysis import analysis
+from testbed.report import plots
+from testbed.report import report
+from testbed.analysis import results
 
 TINY_PARAMS = 236_928
 STEPS = 30
@@ -241,7 +244,7 @@ def test_thresholds_when_the_clean_runs_failed_and_for_checksum_keep():
 
 
 def test_theory_threshold_matches_theory_py():
-    from testbed.experiments import theory
+    from testbed.analysis import theory
     ber, _ = analysis.theory_threshold("ddp", "fix", {"n_params": theory.GPT2_124M_PARAMS, "world_size": 4})
     assert ber == pytest.approx(1.79e-9, rel=0.01)  # docs/theory.md: 4 ranks, GPT-2 124M
     ber, _ = analysis.theory_threshold("pp", "fix", {"model": "gpt2-124m", "world_size": 2, "batch_size": 8,

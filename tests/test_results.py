@@ -1,4 +1,4 @@
-"""The results.jsonl schema (testbed/experiments/results.py) and the rows the runner builds from it: a trained
+"""The results.jsonl schema (testbed/analysis/results.py) and the rows the runner builds from it: a trained
 point's row and a set-up failure's row have exactly the schema's fields with the schema's types. Pure: fake run
 directories, no namespaces, no training; runs without root."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from testbed.experiments import results, runner
+from testbed.experiments import runner
+from testbed.analysis import results
 from testbed.experiments.spec import Experiment
 from testbed.train.fingerprint import encode_sample
 

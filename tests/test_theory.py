@@ -1,4 +1,4 @@
-"""Checks of testbed/experiments/theory.py against independent computations: Monte Carlo with numpy (flip counts,
+"""Checks of testbed/analysis/theory.py against independent computations: Monte Carlo with numpy (flip counts,
 ring allreduce error reach, fp32 flip outcomes, KP4 decoding), exact sums, known numbers, and torch for the
 optimizer behaviour the weight-noise model assumes. Pure computation, no network; a few seconds."""
 
@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from testbed.experiments import theory as th
+from testbed.analysis import theory as th
 
 RNG = np.random.default_rng(12345)
 

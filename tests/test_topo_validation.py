@@ -9,8 +9,8 @@ import os
 import pytest
 
 from conftest import TOPOLOGIES, leftovers, tb_cli, unique_name
-from testbed import units
-from testbed.topo import Topology, TopologyError
+from testbed.topology import units
+from testbed.topology.topo import Topology, TopologyError
 
 GOOD = """name: {name}
 topology:

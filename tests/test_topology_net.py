@@ -158,7 +158,7 @@ def test_rate_limit_is_applied(load_topology, runtime):
     with running(topo, runtime=runtime) as tb:
         q = tb.run("h1", ["tc", "qdisc", "show", "dev", "eth1"], check=True).stdout
         assert "tbf" in q and "50Mbit" in q
-        probe = [tb.runtime.python, "-m", "testbed.engine.probe"]
+        probe = [tb.runtime.python, "-m", "testbed.bench.probe"]
         rx = tb.popen("h2", [*probe, "recv", "--port", "5003", "--bytes", "6000000"], stdout=subprocess.PIPE,
                       text=True)
         try:
@@ -200,7 +200,7 @@ topology:
 
 
 def test_offloads_and_mtu_are_applied(load_topology, runtime, tmp_path):
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     f = tmp_path / "off.yaml"
     f.write_text(f"""name: {unique_name("off")}
@@ -266,7 +266,7 @@ def test_testbed_counters_restore_and_detach(load_topology):
         before = tb.counters()
         assert set(before) == keys and all(s["alive"] for s in before.values())
         nbytes = 300_000
-        probe = [tb.runtime.python, "-m", "testbed.engine.probe"]
+        probe = [tb.runtime.python, "-m", "testbed.bench.probe"]
         rx = tb.popen("h2", [*probe, "recv", "--port", "5004", "--bytes", str(nbytes)], stdout=subprocess.PIPE,
                       text=True)
         try:

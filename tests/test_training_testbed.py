@@ -12,7 +12,7 @@ from scipy.stats import binom
 from conftest import TOPOLOGIES, running, unique_name
 from testbed.experiments.training import train
 from testbed.train.settings import TrainSettings
-from testbed.topo import Topology
+from testbed.topology.topo import Topology
 from testbed.train.fingerprint import bit_identical, run_distance
 
 SEEDS = [1, 2, 3, 4, 5]

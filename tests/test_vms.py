@@ -1,5 +1,5 @@
-"""Real VMs: two Debian VMs booted with qemu from an image built here with debootstrap (testbed/vm.py), driven
-through the same code path as any machines: paramiko (testbed/remote.py) and `testbed up --machines`, with the
+"""Real VMs: two Debian VMs booted with qemu from an image built here with debootstrap (testbed/machines/vm.py), driven
+through the same code path as any machines: paramiko (testbed/machines/remote.py) and `testbed up --machines`, with the
 controller's checkout and Python shared into the guests read-only (9p), real VXLAN tunnels between the VMs and
 netem (sch_netem) in their kernel.
 
@@ -24,7 +24,8 @@ import yaml
 import testbed.nsutil
 import testbed.state
 from conftest import TOPOLOGIES, tb_cli, unique_name
-from testbed import cluster, vm
+from testbed.machines import cluster
+from testbed.machines import vm
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(2400)]
 
@@ -49,7 +50,7 @@ def guest_netns(m: vm.VM) -> list[str]:
 
 def data_address(name: str, node: str) -> str:
     from testbed.state import State
-    from testbed.topo import Topology
+    from testbed.topology.topo import Topology
 
     return str(Topology.from_dict(State.load(name).data["topology"]).plan.data_address(node))
 

@@ -19,9 +19,9 @@ import sys
 import time
 import traceback
 
-from .config import EngineSpec
-from .nfqueue import queue_drops
-from .shim import STATS_INTERVAL, Engine
+from testbed.engine.config import EngineSpec
+from testbed.engine.nfqueue import queue_drops
+from testbed.engine.shim import STATS_INTERVAL, Engine
 
 log = logging.getLogger("testbed.engine")
 

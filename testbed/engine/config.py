@@ -8,9 +8,9 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .gloo import collective_codes
-from .models import validate_error_model
-from .protect import ELEMENTS, normalize_protect, protected_positions
+from testbed.engine.gloo import collective_codes
+from testbed.engine.models import validate_error_model
+from testbed.engine.protect import ELEMENTS, normalize_protect, protected_positions
 
 __all__ = ["EngineSpec", "EngineError", "SCOPES", "CHECKSUM_MODES", "HOOKS", "SETTABLE", "ENGINES", "BPF_SCOPES",
            "BPF_MAX_PORTS"]

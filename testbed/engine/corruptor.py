@@ -27,12 +27,12 @@ import logging
 
 import numpy as np
 
-from .config import SETTABLE, EngineSpec
-from .flows import TCP_SYN, FlowState, FlowTable, flow_key_ints
-from .gloo import GlooStreamTracker, collective_codes
-from .models import OffsetKeyedFlips, build_model
-from .nfqueue import SKB_CSUMNOTREADY
-from .packet import (
+from testbed.engine.config import SETTABLE, EngineSpec
+from testbed.engine.flows import TCP_SYN, FlowState, FlowTable, flow_key_ints
+from testbed.engine.gloo import GlooStreamTracker, collective_codes
+from testbed.engine.models import OffsetKeyedFlips, build_model
+from testbed.engine.nfqueue import SKB_CSUMNOTREADY
+from testbed.engine.packet import (
     IPPROTO_TCP,
     IPPROTO_UDP,
     apply_flips,
@@ -40,8 +40,8 @@ from .packet import (
     fix_l4_checksum,
     parse_ipv4,
 )
-from .protect import BitLayout, flow_salt, residual_keep
-from .stats import Counters
+from testbed.engine.protect import BitLayout, flow_salt, residual_keep
+from testbed.engine.stats import Counters
 
 __all__ = ["Corruptor", "offset_keyed", "uses_gso"]
 

@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .. import nsutil, procs
-from .config import EngineError, EngineSpec
-from .control import request
-from .nfqueue import queue_drops
+from testbed import nsutil, procs
+from testbed.engine.config import EngineError, EngineSpec
+from testbed.engine.control import request
+from testbed.engine.nfqueue import queue_drops
 
 __all__ = [
     "EngineSpec",
@@ -84,7 +84,7 @@ class EngineHandle:
 
 
 def _bpf():
-    from .bpf import engine as bpf_engine  # only for bpf engines: the NFQUEUE path needs none of it
+    from testbed.engine.bpf import engine as bpf_engine  # only for bpf engines: the NFQUEUE path needs none of it
     return bpf_engine
 
 

@@ -15,12 +15,12 @@ import os
 import time
 import traceback
 
-from .capture import CaptureWriter
-from .config import EngineSpec
-from .control import ControlServer
-from .corruptor import Corruptor
-from .nfqueue import NfQueue
-from .stats import write_json_atomic
+from testbed.engine.capture import CaptureWriter
+from testbed.engine.config import EngineSpec
+from testbed.engine.control import ControlServer
+from testbed.engine.corruptor import Corruptor
+from testbed.engine.nfqueue import NfQueue
+from testbed.engine.stats import write_json_atomic
 
 __all__ = ["Engine"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..fileio import write_json_atomic as _write_json_atomic
+from testbed.fileio import write_json_atomic as _write_json_atomic
 
 __all__ = ["Counters", "write_json_atomic"]
 

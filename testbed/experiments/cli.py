@@ -7,11 +7,11 @@ import json
 import os
 import sys
 
-from ..train import settings
+from testbed.train import settings
 
 
 def _ber(text: str) -> float:
-    from ..units import parse_probability
+    from testbed.topology.units import parse_probability
     try:
         return parse_probability(text, upper=0.5)
     except ValueError as e:
@@ -19,8 +19,8 @@ def _ber(text: str) -> float:
 
 
 def cmd_train(args) -> int:
-    from ..topo import Topology
-    from .training import summary_line, train
+    from testbed.topology.topo import Topology
+    from testbed.experiments.training import summary_line, train
 
     try:
         cfg = settings.from_args(args)
@@ -34,7 +34,7 @@ def cmd_train(args) -> int:
     protect = [p.strip() for p in args.protect.split(",") if p.strip()] if args.protect is not None else None
     machines = None
     if args.machines:
-        from ..inventory import load_inventory
+        from testbed.machines.inventory import load_inventory
 
         if not isinstance(target, Topology):
             print("testbed train: --machines needs a topology file (a topology that is up is already placed)",
@@ -53,17 +53,17 @@ def cmd_train(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .runner import run_experiment
-    from .spec import Experiment
+    from testbed.experiments.runner import run_experiment
+    from testbed.experiments.spec import Experiment
 
     exp = Experiment.load(args.experiment)
     machines = None
     if args.machines:
-        from ..inventory import load_inventory
+        from testbed.machines.inventory import load_inventory
 
         machines = load_inventory(args.machines)
     rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed, machines=machines)
-    from .report import write_report
+    from testbed.report.report import write_report
 
     report = write_report(args.out)
     ok = sum(1 for r in rows if r["status"] == "ok")
@@ -73,7 +73,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import write_report
+    from testbed.report.report import write_report
 
     if not os.path.exists(os.path.join(args.dir, "results.jsonl")):
         print(f"testbed: {args.dir} has no results.jsonl (run `testbed run EXPERIMENT --out {args.dir}` first)",
@@ -84,7 +84,7 @@ def cmd_report(args) -> int:
 
 
 def register(sub) -> None:
-    from .bench import register_bench
+    from testbed.bench.commands import register_bench
 
     register_bench(sub)
     s = sub.add_parser("run", help="run an experiment (a grid of training points) and write its report",

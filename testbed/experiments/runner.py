@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-from ..fileio import read_jsonl, write_atomic, write_json_atomic
-from ..train.model import PRESETS
-from ..train.settings import TrainSettings, default_of
-from .results import error_row, new_row
-from .spec import Experiment, Point
-from .training import DEFAULT_COLLECTIVES, summary_line, train
+from testbed.fileio import read_jsonl, write_atomic, write_json_atomic
+from testbed.train.model import PRESETS
+from testbed.train.settings import TrainSettings, default_of
+from testbed.analysis.results import error_row, new_row
+from testbed.experiments.spec import Experiment, Point
+from testbed.experiments.training import DEFAULT_COLLECTIVES, summary_line, train
 
 
 class ResultsStore:
@@ -77,8 +77,8 @@ def train_config(exp: Experiment, point: Point) -> TrainSettings:
 def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, baseline_dir: Path | None) -> dict:
     """Everything the report needs about one point, from its summary and metrics (the report never reads
     run directories, so results.jsonl alone rebuilds it)."""
-    from ..train.fingerprint import replica_divergence, run_distance
-    from .theory import param_count
+    from testbed.train.fingerprint import replica_divergence, run_distance
+    from testbed.analysis.theory import param_count
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     by_step: dict[int, list[dict]] = {}
@@ -87,7 +87,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     steps = sorted(by_step)
     link = exp.link_settings(point)
     rank0 = {s: next((m for m in by_step[s] if m["rank"] == 0), by_step[s][0]) for s in steps}
-    # every field of the results schema (testbed/experiments/results.py), in its order; run_point adds the
+    # every field of the results schema (testbed/analysis/results.py), in its order; run_point adds the
     # fingerprint, the deviation and divergence fields are filled in below
     row = new_row(
         point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, fingerprint=None,
@@ -167,7 +167,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
 def locate_fields(run_dir: Path, fault_link: str | None) -> dict | None:
     """The detectors' verdicts on a monitored point (testbed/locate), scored against its fault link; None when
     the point was not monitored."""
-    from ..locate.detectors import NotMonitored, load, locate, score
+    from testbed.locate.detectors import NotMonitored, load, locate, score
 
     try:
         result = locate(load(run_dir))
@@ -246,7 +246,7 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
     try:  # the collectives a tensor-scope point corrupts come with its config (train_config)
         topo, ber, fault = exp.topology(point.mode, point.recipe), point.ber, exp.fault_link(point)
         if fault:  # one link at the point's BER, the others at the background (docs/locate.md)
-            from ..locate.faults import with_fault
+            from testbed.locate.faults import with_fault
 
             topo, ber = with_fault(topo, fault, point.ber, exp.spec.fault.background_ber), None
         summary = train(topo, train_config(exp, point), run_dir, ber=ber,
@@ -267,8 +267,8 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
 
 
 def run_latency(exp: Experiment, out: Path, runtime: str | None, say) -> None:
-    from .bench import measure_latency
-    from ..topo import Topology
+    from testbed.bench.commands import measure_latency
+    from testbed.topology.topo import Topology
 
     lat = exp.spec.latency
     path = out / "latency.json"

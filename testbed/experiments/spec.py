@@ -37,11 +37,11 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
-from .. import units
-from ..topo import Topology, TopologyError
-from ..train import settings
-from ..train.model import PRESETS
-from ..yamlfile import read_yaml
+from testbed.topology import units
+from testbed.topology.topo import Topology, TopologyError
+from testbed.train import settings
+from testbed.train.model import PRESETS
+from testbed.topology.yamlfile import read_yaml
 
 Ber = Annotated[float, BeforeValidator(lambda x: units.parse_probability(x, upper=0.5))]
 
@@ -293,13 +293,13 @@ class Experiment:
             return None
         if f.link != "random":
             return f.link
-        from ..locate.faults import pick_link
+        from testbed.locate.faults import pick_link
 
         return pick_link(self.topology(point.mode, point.recipe), point.seed)
 
     def _fault_problems(self) -> list[tuple[str, str]]:
         """fault.link exists in every topology the grid uses; the background is below every faulty BER."""
-        from ..locate.faults import candidate_links
+        from testbed.locate.faults import candidate_links
 
         f, problems = self.spec.fault, []
         bers = [b for b in self.spec.grid.ber if b > 0]

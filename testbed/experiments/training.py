@@ -19,13 +19,13 @@ import time
 import uuid
 from pathlib import Path
 
-from ..cluster import ClusterTestbed, cluster_of
-from ..locate.launcher import monitoring
-from ..net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME, Testbed
-from ..state import write_json_atomic
-from ..topo import Topology
-from ..train.model import PRESETS
-from ..train.settings import TrainSettings
+from testbed.machines.cluster import ClusterTestbed, cluster_of
+from testbed.locate.launcher import monitoring
+from testbed.net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME, Testbed
+from testbed.state import write_json_atomic
+from testbed.topology.topo import Topology
+from testbed.train.model import PRESETS
+from testbed.train.settings import TrainSettings
 
 
 
@@ -40,14 +40,14 @@ def worker_hosts(topo: Topology, cfg: TrainSettings) -> list[str]:
 def prepare_data(cfg: TrainSettings, log=print) -> None:
     """Download/tokenize once on this machine: hosts have no route to the package index, and they share the
     cache (the netns hosts see this file system; containers mount the cache)."""
-    from ..train.data import prepare
+    from testbed.train.data import prepare
 
     prepare(PRESETS[cfg.model].vocab_size, cfg.data, log=log)
 
 
 def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dict:
     """Run the workers on a topology that is up; return the summary (also written to out/summary.json)."""
-    from ..train.launch import run_workers
+    from testbed.train.launch import run_workers
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dic
                               timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
     _finish(tb, summary, before, hosts, started, cfg)
     if tb.runtime_name == "docker":
-        from ..runtime.image import image_digest
+        from testbed.runtime.image import image_digest
         summary["image"] = tb.host(hosts[0]).extra.get("image")
         summary["image_digest"] = image_digest(summary["image"])
     if run_dir != out:
@@ -114,7 +114,7 @@ def _rank_env(tb, hosts: list[str]):
 def _train_across_machines(tb: ClusterTestbed, cfg: TrainSettings, out: Path, hosts: list[str], log) -> dict:
     """train_on for a topology that spans machines: workers run on their hosts' machines, their files are
     mirrored into `out` as they are written, engine counters come from every machine."""
-    from ..train.launch import run_workers
+    from testbed.train.launch import run_workers
 
     before = tb.counters()
     started = time.time()
@@ -221,7 +221,7 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
         return train_on(tb, cfg, out, log=log)
     topo = topology.with_overrides(name=name, runtime=runtime, **overrides)
     if machines is not None:  # an inventory: bring it up across its machines for the run, then down
-        from .. import cluster
+        from testbed.machines import cluster
 
         cluster.up(topo, machines, runtime=runtime)
         try:
@@ -282,8 +282,8 @@ def train_process(topology, cfg, out, overrides, log=print):
     (with `overrides` applied, as the wire's run would) each hop's settings; workers run here on loopback."""
     import json
 
-    from ..train.inject import hop_settings, resolve_device
-    from ..train.launch import local_spawn, loopback_env, run_workers
+    from testbed.train.inject import hop_settings, resolve_device
+    from testbed.train.launch import local_spawn, loopback_env, run_workers
 
     if not isinstance(topology, Topology):
         raise ValueError(f"injector process needs a topology file (for its hosts and link settings), not the name "
@@ -327,7 +327,7 @@ def hop_counters(run_dir, hops):
     FIELD_COUNTERS); packets and flows do not exist here (null)."""
     import json
 
-    from ..engine.protect import FIELDS
+    from testbed.engine.protect import FIELDS
 
     saved = {}
     for p in Path(run_dir).glob("inject-rank*.json"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import EXIT_INPUT, CliError
+from testbed.errors import EXIT_INPUT, CliError
 
 
 def format_result(result: dict, flips: dict[str, int] | None = None, top: int = 3) -> str:
@@ -35,8 +35,8 @@ def format_result(result: dict, flips: dict[str, int] | None = None, top: int = 
 
 
 def cmd_locate(args) -> int:
-    from .detectors import NotMonitored, load, locate
-    from .launcher import engine_flips
+    from testbed.locate.detectors import NotMonitored, load, locate
+    from testbed.locate.launcher import engine_flips
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -63,8 +63,8 @@ def cmd_locate(args) -> int:
 
 def actions_taken(run_dir: Path) -> list[dict]:
     """The launcher's actions on detections (on_detection), each with the step times before and after it."""
-    from ..fileio import read_jsonl
-    from .detectors import ACTIONS_FILE, recovery
+    from testbed.fileio import read_jsonl
+    from testbed.locate.detectors import ACTIONS_FILE, recovery
 
     path = run_dir / ACTIONS_FILE
     if not path.exists():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from ..topo import Topology
+from testbed.topology.topo import Topology
 
 
 def candidate_links(topo: Topology) -> list[str]:

@@ -18,10 +18,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..fileio import append_jsonl, write_json_atomic
-from . import detectors
-from .detectors import ACTIONS_FILE, ENGINES_FILE, MONITOR_FILE, RANKS_FILE
-from .paths import hop_paths, link_directions
+from testbed.fileio import append_jsonl, write_json_atomic
+from testbed.locate import detectors
+from testbed.locate.detectors import ACTIONS_FILE, ENGINES_FILE, MONITOR_FILE, RANKS_FILE
+from testbed.locate.paths import hop_paths, link_directions
 
 SAMPLE_S = 0.5
 ENGINE_FIELDS = ("bits_seen", "bits_flipped", "packets_modified")

@@ -2,7 +2,7 @@
 
 The detectors see hops (rank a -> rank b); a fault lives on a link. `hop_paths` maps each probed hop to the
 directions it crosses ("LINK/A->B", as `testbed stats` names them), following the routes that `testbed up`
-installs (testbed/plan.py). Only the structure is used, never a link's BER: the detectors are not told which
+installs (testbed/topology/plan.py). Only the structure is used, never a link's BER: the detectors are not told which
 link is bad. A segment behind several bridged switches is crossed on its two host links only (switch-to-switch
 links carry no engine).
 """

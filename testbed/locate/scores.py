@@ -8,7 +8,7 @@ import statistics
 
 from scipy.stats import beta
 
-from .detectors import DETECTORS
+from testbed.locate.detectors import DETECTORS
 
 
 def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:

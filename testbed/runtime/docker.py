@@ -34,8 +34,8 @@ import time
 import uuid
 from pathlib import Path
 
-from .. import nsutil, procs
-from .base import RESOLV_CONF, Host, Runtime, RuntimeUnavailable, register_runtime
+from testbed import nsutil, procs
+from testbed.runtime.base import RESOLV_CONF, Host, Runtime, RuntimeUnavailable, register_runtime
 
 LABEL_TOPOLOGY = "testbed.topology"
 LABEL_NODE = "testbed.node"
@@ -432,7 +432,7 @@ def _cache_dir() -> Path:
 
 
 def _history_root() -> Path:
-    from ..state import HISTORY_ROOT
+    from testbed.state import HISTORY_ROOT
     return Path(HISTORY_ROOT)
 
 

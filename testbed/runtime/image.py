@@ -31,8 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-from .. import __version__
-from . import docker as drt
+from testbed import __version__
+from testbed.runtime import docker as drt
 
 BASE_REGISTRY = "python:3.11-slim"
 BASE_DEBOOTSTRAP = "testbed-base:bookworm"

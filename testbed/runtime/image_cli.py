@@ -7,7 +7,7 @@ import sys
 
 
 def cmd_image_build(args) -> int:
-    from . import image
+    from testbed.runtime import image
 
     try:
         info = image.build_worker(args.tag, base=args.base, no_cache=args.no_cache, rebuild_base=args.rebuild_base,
@@ -20,8 +20,8 @@ def cmd_image_build(args) -> int:
 
 
 def cmd_image_info(args) -> int:
-    from . import docker as drt
-    from . import image
+    from testbed.runtime import docker as drt
+    from testbed.runtime import image
 
     tag = args.tag or drt.worker_tag()
     info = image.image_info(tag)

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import nsutil
-from .base import RESOLV_CONF, Host, Runtime, RuntimeUnavailable, register_runtime
+from testbed import nsutil
+from testbed.runtime.base import RESOLV_CONF, Host, Runtime, RuntimeUnavailable, register_runtime
 
 ETC_NETNS = Path("/etc/netns")
 

@@ -1,7 +1,7 @@
 """GPT-2 presets, and the model built from one (testbed/train/gpt.py, initialised here, never downloaded).
 
 The preset table is the one list of model sizes: the worker, the CLIs, experiment files and the theory
-(testbed/experiments/theory.py) read it. Importing this module does not import torch (that takes seconds, and
+(testbed/analysis/theory.py) read it. Importing this module does not import torch (that takes seconds, and
 the theory and validation need only the table); build_model imports it when called.
 The pipeline stage split lives in stages.py.
 """

@@ -33,11 +33,11 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from ... import nsutil
-from ...fileio import write_json_atomic
-from ..config import EngineError, EngineSpec
-from . import build, maps, pins
-from . import syscall as sc
+from testbed import nsutil
+from testbed.fileio import write_json_atomic
+from testbed.engine.config import EngineError, EngineSpec
+from testbed.engine.bpf import build, maps, pins
+from testbed.engine.bpf import syscall as sc
 
 __all__ = ["PREF", "start", "stop", "stats", "set_settings", "detach", "attach", "alive", "sites", "available",
            "sidecar_path"]

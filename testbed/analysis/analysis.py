@@ -31,10 +31,10 @@ from collections import Counter
 import numpy as np
 from scipy import stats
 
-from ..train.model import PRESETS
-from . import theory
-from .formatting import fmt_loss, status_text
-from .results import (SETUP_FIELDS, STATUSES, ber_of, config_key, config_of, config_sort_key, configs, finite,
+from testbed.train.model import PRESETS
+from testbed.analysis import theory
+from testbed.analysis.formatting import fmt_loss, status_text
+from testbed.analysis.results import (SETUP_FIELDS, STATUSES, ber_of, config_key, config_of, config_sort_key, configs, finite,
                       is_ok, positive, recipe_of, recipe_settings)
 
 DEFAULT_TOLERANCE, DEFAULT_N_STD = 0.02, 3.0

@@ -36,9 +36,9 @@ import paramiko
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .yamlfile import InputError, YamlDocument, parse_yaml, pydantic_problems
+from testbed.topology.yamlfile import InputError, YamlDocument, parse_yaml, pydantic_problems
 
-# The rule of node names in topologies (testbed.topo.NODE_NAME_RE; repeated here so that topo may import this
+# The rule of node names in topologies (testbed.topology.topo.NODE_NAME_RE; repeated here so that topo may import this
 # module without a cycle; tests/test_inventory.py checks the two stay equal).
 MACHINE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 RESERVED_MACHINE_NAMES = {"local"}

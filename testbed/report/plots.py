@@ -24,12 +24,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import NullLocator
 
-from ..fileio import write_atomic
-from . import results
-from . import analysis
-from .analysis import PUBLISHED_TOLERATED_BER, run_setup, skipped_fraction
-from .formatting import ber_text, config_label, mode_name
-from .results import ber_of, config_of, configs, finite, is_ok, modes, positive, recipes
+from testbed.fileio import write_atomic
+from testbed.analysis import results
+from testbed.analysis import analysis
+from testbed.analysis.analysis import PUBLISHED_TOLERATED_BER, run_setup, skipped_fraction
+from testbed.analysis.formatting import ber_text, config_label, mode_name
+from testbed.analysis.results import ber_of, config_of, configs, finite, is_ok, modes, positive, recipes
 
 DPI = 120
 FAILED_MARKER, OK_MARKER = "x", "o"

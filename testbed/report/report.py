@@ -1,8 +1,8 @@
 """An experiment's report: summary.csv, the plots and report.md, from results.jsonl and latency.json alone.
 
-    python -m testbed.experiments.report DIR [--tolerance 0.02] [--n-std 3]
+    python -m testbed.report.report DIR [--tolerance 0.02] [--n-std 3]
 
-Input contract: docs/experiments.md (results.jsonl rows: testbed/experiments/results.py, latency.json).
+Input contract: docs/experiments.md (results.jsonl rows: testbed/analysis/results.py, latency.json).
 Missing pieces (no PP rows, no latency.json, every run crashed) give a sentence in the report, never an
 exception. This module renders: what the numbers mean is computed in analysis.py (definitions there, and
 written into report.md), the figures are drawn by plots.py.
@@ -22,17 +22,18 @@ import traceback
 from datetime import datetime
 from pathlib import Path
 
-from ..fileio import read_jsonl, write_atomic
-from ..locate.scores import locate_section
-from . import plots, theory
-from .calibration import calibration_section
-from .analysis import (DEFAULT_N_STD, DEFAULT_TOLERANCE, LATENCY_STATS, PUBLISHED_TOLERATED_BER, aggregate,
+from testbed.fileio import read_jsonl, write_atomic
+from testbed.locate.scores import locate_section
+from testbed.report import plots
+from testbed.analysis import theory
+from testbed.report.calibration import calibration_section
+from testbed.analysis.analysis import (DEFAULT_N_STD, DEFAULT_TOLERANCE, LATENCY_STATS, PUBLISHED_TOLERATED_BER, aggregate,
                        deviation_fits, interval, latency_entries, orderings, point_config, published_verdict,
                        retransmission_penalties, sum_or_none, theory_comparison, thresholds, values_of)
-from .formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text, mode_name,
+from testbed.analysis.formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text, mode_name,
                          status_text)
-from .plots import latency_label
-from .results import DEFAULT_RECIPE, FIELDS_BY_NAME, SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
+from testbed.report.plots import latency_label
+from testbed.analysis.results import DEFAULT_RECIPE, FIELDS_BY_NAME, SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
 
 RESULTS_FILE, LATENCY_FILE, EXPERIMENT_FILE = "results.jsonl", "latency.json", "experiment.yaml"
 SUMMARY_FILE, REPORT_FILE = "summary.csv", "report.md"
@@ -507,7 +508,7 @@ def theory_latency_section(latency: dict | None) -> list[str]:
             _table(header, body), "",
             f"A relaxed link saves {saved:.0f} ns per hop against KP4 (codeword fill + decode) at any BER; a TCP "
             "retransmission costs at least the 200 ms minimum RTO. Full tables: docs/theory.md "
-            "(`python -m testbed.experiments.theory`).", ""]
+            "(`python -m testbed.analysis.theory`).", ""]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -733,7 +734,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     md += ["## How to reproduce", "",
            f"`testbed run {EXPERIMENT_FILE} --out DIR` (the copy of the experiment file in this directory) runs the "
            "grid and writes results.jsonl and latency.json; `testbed report DIR` (or `python -m "
-           f"testbed.experiments.report DIR --tolerance {tolerance:g} --n-std {n_std:g}`) rebuilds summary.csv, "
+           f"testbed.report.report DIR --tolerance {tolerance:g} --n-std {n_std:g}`) rebuilds summary.csv, "
            "the plots and this report from those two files alone.", ""]
     return "\n".join(md)
 
@@ -757,7 +758,7 @@ def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m testbed.experiments.report",
+    p = argparse.ArgumentParser(prog="python -m testbed.report.report",
                                 description="Rebuild summary.csv, the plots and report.md of an experiment "
                                             "directory from its results.jsonl and latency.json.")
     p.add_argument("dir", metavar="DIR")

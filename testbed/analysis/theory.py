@@ -12,7 +12,7 @@ Six parts, all pure functions (numpy/scipy only, no torch):
    frozen elements and the bounded noise of mantissa-only errors (`predict_recipe`);
 5. link latency: serialization + propagation + KP4 RS(544,514) FEC, versus a relaxed link that delivers errored
    frames, versus retransmission (link-level or TCP), and KP4's post-FEC BER under independent bit errors;
-6. `markdown_tables()`: the numbers of docs/theory.md (`python -m testbed.experiments.theory`).
+6. `markdown_tables()`: the numbers of docs/theory.md (`python -m testbed.analysis.theory`).
 
 Units: BER is a probability per bit; sizes are bits or bytes as the names say; times are seconds; lengths meters;
 rates bits per second. Derivations and assumptions: docs/theory.md.
@@ -27,7 +27,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.special import bdtrc, ndtri
 
-from ..train.model import GPT2_124M_PARAMS, PRESETS
+from testbed.train.model import GPT2_124M_PARAMS, PRESETS
 
 # ---------------------------------------------------------------------------------------------------------------
 # Models

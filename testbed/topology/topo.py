@@ -4,10 +4,10 @@ Pure: nothing here touches the system. `Topology.load(path)` either returns a fu
 raises `TopologyError` naming the file, the line, the field path and the problem, so nothing is ever half-built
 from bad input. The parts live in their own modules and are importable from here too:
 
-- `testbed.yamlfile`  reading YAML input files: duplicate keys refused, line numbers, `InputError`;
-- `testbed.schema`    the file's keys, types and ranges (pydantic);
-- `testbed.elements`  the resolved nodes, links and per-direction impairments;
-- `testbed.plan`      subnets, addresses and routes.
+- `testbed.topology.yamlfile`  reading YAML input files: duplicate keys refused, line numbers, `InputError`;
+- `testbed.topology.schema`    the file's keys, types and ranges (pydantic);
+- `testbed.topology.elements`  the resolved nodes, links and per-direction impairments;
+- `testbed.topology.plan`      subnets, addresses and routes.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .elements import Endpoint, Link, LinkImpairment, Node
-from .plan import HostInterface, Plan, Route, build_plan
-from .schema import (COLLECTIVES, DEFAULT_CONTROL_PORTS, DEFAULT_DATA_POOL, DEFAULT_MGMT_SUBNET, TOPOLOGY_NAME_RE,
+from testbed.topology.elements import Endpoint, Link, LinkImpairment, Node
+from testbed.topology.plan import HostInterface, Plan, Route, build_plan
+from testbed.topology.schema import (COLLECTIVES, DEFAULT_CONTROL_PORTS, DEFAULT_DATA_POOL, DEFAULT_MGMT_SUBNET, TOPOLOGY_NAME_RE,
                      ErrorModelSpec, ImpairmentSpec, LinkModel, MgmtModel, NodeModel, OffloadSpec, TopologyBody,
                      TopologyFile)
-from .yamlfile import InputError, YamlDocument, read_yaml
+from testbed.topology.yamlfile import InputError, YamlDocument, read_yaml
 
 __all__ = [
     "COLLECTIVES", "DEFAULT_CONTROL_PORTS", "DEFAULT_DATA_POOL", "DEFAULT_MGMT_SUBNET", "IFNAMSIZ", "IFNAME_RE",
@@ -266,7 +266,7 @@ def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
     em = imp.error_model
     if imp.ber is not None:
         # The engine's own validation, so that what passes here also starts (no second, weaker copy).
-        from .engine.models import validate_error_model
+        from testbed.engine.models import validate_error_model
 
         try:
             validate_error_model(em, imp.ber)
@@ -286,7 +286,7 @@ def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
 def _check_protection(imp: LinkImpairment, p: str, problems: list) -> None:
     """element / protect / protected_ber: scope tensor only, bit positions within the element, residual BER
     at most the line's (the engine's own checks)."""
-    from .engine.protect import protected_positions
+    from testbed.engine.protect import protected_positions
 
     used = [k for k, on in (("protect", imp.protect), ("protected_ber", imp.protected_ber),
                             ("element", imp.element != "fp32")) if on]

@@ -4,7 +4,7 @@
     doc = measure_latency(Topology.load("topologies/pair.yaml"), None, [0, 1e-6, 1e-5], 16384, 500, print)
     doc = measure_collective("ring4", sizes=[1024, 1 << 20], log=print)   # a topology that is up
 
-Latency: TCP ping-pong (testbed.engine.probe) between the two end hosts of one link, the client on the link's
+Latency: TCP ping-pong (testbed.bench.probe) between the two end hosts of one link, the client on the link's
 first endpoint, the server on its second, addressed by the server's address *on that link* (so the round trips
 cross this link and no other). Configurations, always in this order:
 
@@ -51,12 +51,12 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..engine.probe import read_json_line
-from ..errors import EXIT_CAPABILITY, EXIT_INPUT, CliError
-from ..net import Testbed, counter_delta
-from ..runtime.base import RuntimeUnavailable, runtime_names
-from ..state import write_json_atomic
-from ..topo import Link, Topology, TopologyError
+from testbed.bench.probe import read_json_line
+from testbed.errors import EXIT_CAPABILITY, EXIT_INPUT, CliError
+from testbed.net import Testbed, counter_delta
+from testbed.runtime.base import RuntimeUnavailable, runtime_names
+from testbed.state import write_json_atomic
+from testbed.topology.topo import Link, Topology, TopologyError
 
 DEFAULT_BERS = (0.0, 1e-6, 1e-5)
 DEFAULT_SIZE = 16384
@@ -156,9 +156,9 @@ def _open(target: "Testbed | Topology | str", *, runtime: str | None, name: str 
           machines=None) -> Iterator[Testbed]:
     """A running Testbed for `target`: a Topology is brought up (after `prepare`) and down after; a Testbed or
     the name of a topology that is up is used as it is and its `links`' engines are put back afterwards.
-    With `machines` (an inventory) a Topology is placed across those machines (testbed/cluster.py) and measured
+    With `machines` (an inventory) a Topology is placed across those machines (testbed/machines/cluster.py) and measured
     through a ClusterTestbed; a name that is up across machines is found without it."""
-    from .. import cluster
+    from testbed.machines import cluster
 
     if isinstance(target, Topology):
         topo = target
@@ -207,7 +207,7 @@ def _topology_of(target) -> Topology:
     if isinstance(target, Testbed):
         return target.topo
     if isinstance(target, str):
-        from .. import cluster
+        from testbed.machines import cluster
 
         if cluster.cluster_of(target) is not None:
             return cluster.ClusterTestbed(target).topo
@@ -270,7 +270,7 @@ def latency_configurations(bers) -> list[dict]:
 
 
 def _check_bers(bers) -> list[float]:
-    from ..units import parse_probability
+    from testbed.topology.units import parse_probability
     out = []
     for b in bers:
         try:
@@ -283,12 +283,12 @@ def _check_bers(bers) -> list[float]:
 def _pingpong(tb: Testbed, client: str, server: str, addr: str, size: int, count: int, warmup: int,
               port: int) -> dict:
     py = tb.runtime.python
-    srv = tb.popen(server, [py, "-m", "testbed.engine.probe", "pingpong-server", "--port", str(port),
+    srv = tb.popen(server, [py, "-m", "testbed.bench.probe", "pingpong-server", "--port", str(port),
                             "--size", str(size)],
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
         read_json_line(srv, "listening", timeout=60)
-        argv = [py, "-m", "testbed.engine.probe", "pingpong-client", "--host", addr, "--port", str(port),
+        argv = [py, "-m", "testbed.bench.probe", "pingpong-client", "--host", addr, "--port", str(port),
                 "--count", str(count), "--size", str(size), "--warmup", str(warmup)]
         t0 = time.monotonic()
         r = tb.run(client, argv, timeout=120 + count * 0.5)
@@ -485,7 +485,7 @@ def latency_table(doc: dict) -> str:
 
 def parse_sizes(text: str | list) -> list[int]:
     """'1K..64M' (x4 steps; '1K..64M:2' for x2), '1K,64K,1M', or a list of ints/strings -> bytes."""
-    from ..units import parse_size
+    from testbed.topology.units import parse_size
 
     try:
         if isinstance(text, (list, tuple)):
@@ -662,7 +662,7 @@ def _machines(args, target):
         return None
     if not isinstance(target, Topology):
         raise BenchError(f"--machines places a topology file; {target!r} is already up (where it was placed)")
-    from ..inventory import load_inventory
+    from testbed.machines.inventory import load_inventory
 
     return load_inventory(args.machines)
 
@@ -719,7 +719,7 @@ def cmd_bench_collective(args) -> int:
 
 
 def _ber_arg(text: str) -> float:
-    from ..units import parse_probability
+    from testbed.topology.units import parse_probability
     try:
         return parse_probability(text, upper=0.5)
     except ValueError as e:
@@ -727,7 +727,7 @@ def _ber_arg(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    from ..units import parse_size
+    from testbed.topology.units import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -805,8 +805,8 @@ def add_bench_commands(b: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m testbed.experiments.bench latency|collective ...`: the same as `testbed bench ...`."""
-    p = argparse.ArgumentParser(prog="python -m testbed.experiments.bench", description=BENCH_DESCRIPTION)
+    """`python -m testbed.bench.commands latency|collective ...`: the same as `testbed bench ...`."""
+    p = argparse.ArgumentParser(prog="python -m testbed.bench.commands", description=BENCH_DESCRIPTION)
     add_bench_commands(p)
     args = p.parse_args(argv)
     try:

@@ -1,7 +1,7 @@
 """The topology file's schema (pydantic): which keys exist, their types, units and ranges.
 
 Cross-field rules (endpoints name known nodes, interfaces are used once, subnets do not overlap, ...) are
-checked when the file is resolved into a `testbed.topo.Topology`. The format follows containerlab
+checked when the file is resolved into a `testbed.topology.topo.Topology`. The format follows containerlab
 (`name`, `topology.nodes`, `topology.links[].endpoints`); docs: README "Topology files".
 """
 
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from . import units
+from testbed.topology import units
 
 TOPOLOGY_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,23}$")
 DEFAULT_DATA_POOL = ipaddress.IPv4Network("10.0.0.0/16")
@@ -118,7 +118,7 @@ class NodeModel(_Strict):
     subnet: ipaddress.IPv4Network | None = None
     env: dict[str, str] | None = None
     # where the node runs when the topology is brought up with an inventory (`--machines FILE`): a machine's
-    # name there; unplaced nodes are spread automatically (testbed/placement.py). Ignored without one.
+    # name there; unplaced nodes are spread automatically (testbed/machines/placement.py). Ignored without one.
     machine: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 
 

@@ -9,7 +9,7 @@ Placement is orthogonal to the runtime (netns or docker, on every machine). The 
      least loaded machine, the first in the inventory's order.
 So the ends of a link stay together where the shares allow, and a chain or ring is cut into contiguous runs.
 
-Pure logic: nothing here touches the system. testbed/cluster.py carries it out over SSH.
+Pure logic: nothing here touches the system. testbed/machines/cluster.py carries it out over SSH.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from .topo import Topology, TopologyError
+from testbed.topology.topo import Topology, TopologyError
 
 VXLAN_PORT = 4789  # IANA's VXLAN port; `up --vxlan-port` changes it
 VXLAN_OVERHEAD = 50  # outer Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8 bytes
@@ -57,7 +57,7 @@ def _lines(topo: Topology) -> dict[str, int]:
     if not topo.file:
         return {}
     try:
-        from .yamlfile import read_yaml
+        from testbed.topology.yamlfile import read_yaml
 
         return read_yaml(topo.file).lines
     except Exception:  # the file changed or is gone: the error still names the field

@@ -1,7 +1,7 @@
 """One topology across several machines: the controller's side (`--machines FILE`).
 
-The controller places the nodes (testbed/placement.py), connects to every machine that holds one (one paramiko
-connection each, testbed/remote.py, kept for the whole command), and has each machine build its own part with
+The controller places the nodes (testbed/machines/placement.py), connects to every machine that holds one (one paramiko
+connection each, testbed/machines/remote.py, kept for the whole command), and has each machine build its own part with
 its own `testbed` (`testbed part-up SPEC`: the same Testbed code as a local `up`, restricted to its nodes, with
 a VXLAN tunnel end for each link that leaves them). Each machine runs the engines of the directions that leave
 its hosts, and keeps its own state, so it can be cleaned from there too (`testbed down NAME` on it).
@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Callable
 
-from .placement import VXLAN_PORT, MachineView, engine_node, parts, place
-from .state import State, TopologyNotFound, claim, running_names, state_dir
-from .topo import Topology
+from testbed.machines.placement import VXLAN_PORT, MachineView, engine_node, parts, place
+from testbed.state import State, TopologyNotFound, claim, running_names, state_dir
+from testbed.topology.topo import Topology
 
 
 def cluster_of(name: str) -> dict | None:
@@ -35,7 +35,7 @@ def cluster_of(name: str) -> dict | None:
 
 
 def _machines_of(record: dict):
-    from .inventory import Machine
+    from testbed.machines.inventory import Machine
 
     return {m: Machine(**d) for m, d in record["machines"].items()}
 
@@ -81,7 +81,7 @@ def up(topo: Topology, inventory, runtime: str | None = None, vxlan_port: int = 
        log: Callable[[str], None] = print) -> dict:
     """Bring `topo` up across the inventory's machines. Returns the controller's record (placement, machines,
     notes). On any failure every machine's part is removed again, and the error names the machine."""
-    from .remote import connect_all
+    from testbed.machines.remote import connect_all
 
     where = place(topo, list(inventory.machines))
     used = [m for m in inventory.machines if m in set(where.values())]
@@ -131,7 +131,7 @@ def _down_parts(name: str, record: dict, remotes: dict | None = None, log: Calla
                 only: list[str] | None = None) -> list[str]:
     """`testbed down NAME` on every machine of `record` (of `only`, if given), connecting where `remotes` lacks
     one; the errors."""
-    from .remote import Remote
+    from testbed.machines.remote import Remote
 
     machines = _machines_of(record)
     if only is not None:
@@ -171,7 +171,7 @@ def down(name: str, log: Callable[[str], None] = print) -> list[str]:
 def down_all(inventory=None, log: Callable[[str], None] = print) -> list[str]:
     """Every cross-machine topology this controller recorded, and with an inventory `testbed down --all` on
     each of its machines too (what a killed controller may have left before recording it)."""
-    from .remote import Remote
+    from testbed.machines.remote import Remote
 
     errors = []
     for name in running_names():
@@ -197,7 +197,7 @@ def machine_of(name: str, node: str) -> str:
 
 def on_machine(name: str, machine: str, args: list[str], **kw):
     """Run `testbed ARGS` on one machine of topology `name`; its result."""
-    from .remote import Remote
+    from testbed.machines.remote import Remote
 
     with Remote.connect(_machines_of(cluster_of(name))[machine]) as r:
         return r.testbed(args, **kw)
@@ -321,7 +321,7 @@ class ClusterTestbed:
 
     def remote(self, machine: str):
         """The connection to `machine`, kept open until close() (one per machine for the whole command)."""
-        from .remote import Remote
+        from testbed.machines.remote import Remote
 
         with self._lock:
             r = self._remotes.get(machine)
@@ -332,7 +332,7 @@ class ClusterTestbed:
     def _on(self, machine: str, args: list[str], **kw):
         return self.remote(machine).testbed(args, **kw)
 
-    # -- what the benchmarks need of a Testbed (testbed/experiments/bench.py), across machines ------------------
+    # -- what the benchmarks need of a Testbed (testbed/bench/commands.py), across machines ------------------
 
     def _host_argv(self, node: str, argv: list[str], env: dict | None) -> tuple:
         """The command line that runs argv in `node` on its machine (argv[0] == runtime.python: that
@@ -406,7 +406,7 @@ class ClusterTestbed:
     def links_restored(self, links=None, warn=None):
         """As Testbed.links_restored: the engines of `links` get their settings back on leaving, and engines
         started inside are stopped (each machine restores its own)."""
-        from .net import RESTORED_SETTINGS
+        from testbed.net import RESTORED_SETTINGS
 
         links = [l.name for l in self.topo.links] if links is None else [self.topo.link(n).name for n in links]
         saved = {k: {f: s.get(f) for f in RESTORED_SETTINGS} for k, s in self.counters(links).items()}
@@ -433,7 +433,7 @@ class ClusterTestbed:
                 if wanted is None or s["link"] in wanted}
 
     def counters_since(self, before: dict, links=None, fields=None) -> dict[str, dict]:
-        from .net import COUNTER_FIELDS, counter_delta
+        from testbed.net import COUNTER_FIELDS, counter_delta
 
         after = self.counters(links)
         out = counter_delta(before, after, fields or COUNTER_FIELDS)
@@ -455,7 +455,7 @@ class RemoteWorkers:
         import uuid
         from pathlib import Path
 
-        from .remote import Remote
+        from testbed.machines.remote import Remote
 
         self.tb, self.run_dir, self.hosts, self.passed = tb, Path(run_dir), hosts, passed
         self.remote_dir = f"/tmp/testbed-run-{uuid.uuid4().hex[:12]}"
@@ -600,7 +600,7 @@ class RemotePopen:
     def wait(self, timeout=None):
         import subprocess
 
-        from .remote import RemoteTimeoutError
+        from testbed.machines.remote import RemoteTimeoutError
 
         try:
             return self._finish(self.proc.wait(timeout))
@@ -619,7 +619,7 @@ class RemotePopen:
         """The first JSON line of its output with `key` (polled); RuntimeError if it ended without one."""
         deadline = time.monotonic() + timeout
         while True:
-            from .engine.probe import json_with
+            from testbed.bench.probe import json_with
 
             for line in self._output().splitlines():
                 obj = json_with(line, key)

@@ -1,13 +1,13 @@
 """The resolved elements of a topology: nodes, links, and how each direction of a link behaves.
 
-Plain immutable data, built by `testbed.topo` from a validated file; the rest of the testbed reads these.
+Plain immutable data, built by `testbed.topology.topo` from a validated file; the rest of the testbed reads these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import units
+from testbed.topology import units
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
-from .elements import Link, Node
-from .schema import TopologyFile
+from testbed.topology.elements import Link, Node
+from testbed.topology.schema import TopologyFile
 
 
 @dataclass(frozen=True)

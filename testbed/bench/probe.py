@@ -5,7 +5,7 @@
 - ``pingpong-server``/``pingpong-client``: TCP round trips of small messages, for latency.
 
 Each command prints JSON lines on stdout; the last line is the result. Run inside a namespace with
-``nsenter --net=/run/netns/NS python -m testbed.engine.probe ...``.
+``nsenter --net=/run/netns/NS python -m testbed.bench.probe ...``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def read_json_line(proc, key: str, timeout: float = 30) -> dict:
     """Read a probe's stdout lines until a JSON object with `key`; raise (with its stderr) on EOF or timeout."""
     import select
 
-    if hasattr(proc, "read_json_line"):  # a process on another machine (testbed.cluster.RemotePopen)
+    if hasattr(proc, "read_json_line"):  # a process on another machine (testbed.machines.cluster.RemotePopen)
         return proc.read_json_line(key, timeout)
     deadline = time.monotonic() + timeout
     while True:
@@ -213,7 +213,7 @@ def pingpong_client(host: str, port: int, count: int, size: int, warmup: int = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m testbed.engine.probe", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m testbed.bench.probe", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("send")
     a.add_argument("--host", required=True)

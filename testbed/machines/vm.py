@@ -63,9 +63,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from . import nsutil, procs
-from .inventory import Inventory, Machine, parse_inventory
-from .remote import RELAY
+from testbed import nsutil, procs
+from testbed.machines.inventory import Inventory, Machine, parse_inventory
+from testbed.machines.remote import RELAY
 
 # ----------------------------------------------------------------------------------------------------------
 # The recipe.
@@ -104,7 +104,7 @@ LogLevel INFO
 Subsystem sftp internal-sftp
 """
 
-GUEST_SSHD_CONFIG = """# testbed VM: made by testbed/vm.py (host key and authorized key come with each boot)
+GUEST_SSHD_CONFIG = """# testbed VM: made by testbed/machines/vm.py (host key and authorized key come with each boot)
 Port 22
 AddressFamily inet
 ListenAddress 0.0.0.0
@@ -117,7 +117,7 @@ AuthorizedKeysFile /root/.ssh/authorized_keys
 # PID 1 of the guest (then tini, which reaps every orphan, with sshd under it). The VM's settings come from its
 # configuration share (tag tbvmcfg): vm.env (NAME, ADDRESS, GATEWAY), shares (TAG PATH lines), keys.
 GUEST_INIT = r"""#!/bin/sh
-# PID 1 of a testbed VM (testbed/vm.py): mounts, shared folders, address, then sshd under tini.
+# PID 1 of a testbed VM (testbed/machines/vm.py): mounts, shared folders, address, then sshd under tini.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 say() { echo "testbed-init: $*"; }
 fail() {
@@ -706,8 +706,8 @@ class VM:
                        proxy_command=self.network.proxy_command)
 
     def ssh(self, timeout: float = 10.0):
-        """A testbed.remote.Remote connected to it (a context manager)."""
-        from .remote import Remote
+        """A testbed.machines.remote.Remote connected to it (a context manager)."""
+        from testbed.machines.remote import Remote
 
         return Remote.connect(self.machine(), timeout=timeout)
 

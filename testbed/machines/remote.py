@@ -32,8 +32,8 @@ from typing import Any
 
 import paramiko
 
-from . import __version__
-from .inventory import Inventory, Machine
+from testbed import __version__
+from testbed.machines.inventory import Inventory, Machine
 
 # paramiko logs a failed handshake (with a traceback) from its transport thread; the RemoteError says it
 # better. A NullHandler keeps Python's last-resort handler from printing it when logging is not configured.
@@ -50,7 +50,7 @@ _STDERR_TAIL = 2000
 
 # A proxy command's relay: stdin/stdout (the SSH client's connection) to a TCP connection. Run inside a network
 # namespace (`nsenter --net=NS python relay.py HOST PORT`) it reaches machines that live behind it: the test
-# machines of tests/sshmachines.py and the qemu VMs of testbed/vm.py (no netcat or socat needed).
+# machines of tests/sshmachines.py and the qemu VMs of testbed/machines/vm.py (no netcat or socat needed).
 RELAY = r'''import os, select, socket, sys
 host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
 try:

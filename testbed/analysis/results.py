@@ -3,7 +3,7 @@
 The runner builds rows with `new_row` (a trained point) and `error_row` (a point whose set-up failed); both
 refuse a missing or an unknown field, so a row always has exactly the fields listed here. The report's
 summary.csv columns are the scalar fields, in this order; the plots and the analysis read rows through the
-helpers below. docs/experiments.md documents the same table (`python -m testbed.experiments.results` prints
+helpers below. docs/experiments.md documents the same table (`python -m testbed.analysis.results` prints
 it as markdown).
 
 Types are JSON types: `str`, `int`, `float` (an int is a valid float), `bool`, `list`, `dict`; a trailing `?`
@@ -194,7 +194,7 @@ def _build(fields: tuple[str, ...], values: dict, what: str) -> dict:
     missing = [f for f in fields if f not in values]
     unknown = [k for k in values if k not in fields]
     if missing or unknown:
-        raise ValueError(f"{what} needs exactly the schema's fields (testbed/experiments/results.py): "
+        raise ValueError(f"{what} needs exactly the schema's fields (testbed/analysis/results.py): "
                          + "; ".join(p for p in (missing and f"missing {', '.join(missing)}",
                                                  unknown and f"unknown {', '.join(unknown)}") if p))
     return {f: values[f] for f in fields}

@@ -21,8 +21,8 @@ import statistics
 
 from scipy import stats
 
-from .formatting import ber_text, fmt, fmt_loss, mode_name
-from .results import RECIPE_FIELDS, ber_of, finite, grid_order, is_ok, recipe_settings
+from testbed.analysis.formatting import ber_text, fmt, fmt_loss, mode_name
+from testbed.analysis.results import RECIPE_FIELDS, ber_of, finite, grid_order, is_ok, recipe_settings
 
 # per test: the grid has ~3 tests x ~20 points, so 1e-3 keeps false disagreements of a clean calibration rare
 ALPHA = 1e-3
