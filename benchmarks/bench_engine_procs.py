@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from testbed.bench.probe import read_json_line  # noqa: E402
+from testbed.procs import read_json_line  # noqa: E402
 from testbed.fileio import write_json_atomic  # noqa: E402
 from testbed.net import Testbed  # noqa: E402
 from testbed.topology.topo import Topology  # noqa: E402

@@ -15,42 +15,9 @@ from testbed.errors import EXIT_CAPABILITY, EXIT_FAIL, EXIT_INPUT, CliError  # n
 # -- helpers ---------------------------------------------------------------------------------------------------
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    rows = [header] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    out = []
-    for k, r in enumerate(rows):
-        out.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
-        if k == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def describe_topology(tb) -> str:
-    topo = tb.topo
-    hosts = []
-    for h in topo.hosts:
-        ifs = ", ".join(f"{i.iface} {i.address}" for i in topo.plan.interfaces[h])
-        hosts.append([h, tb.runtime_name, f"mgmt0 {topo.plan.mgmt[h]}", ifs or "-"])
-    for s in topo.switches:
-        hosts.append([s, "switch", "-", "bridge br0"])
-    links = []
-    engines = tb.state.data.get("engines", {}) if tb.state else {}
-    for l in topo.links:
-        for dname, _, _, imp in l.directions():
-            desc = imp.describe()
-            if desc.endswith(" engine auto"):  # say what auto resolved to (not started here: another machine's)
-                kind = engines.get(f"{l.name}/{dname}", {}).get("spec", {}).get("engine")
-                desc = desc[: -len("auto")] + (f"{kind} (auto)" if kind else "auto")
-            links.append([l.name, f"{l.a} <-> {l.b}", l.mtu, dname, desc])
-    out = [f"topology {topo.name} ({topo.file or 'in memory'}), runtime {tb.runtime_name}", "",
-           _table(hosts, ["node", "runtime", "management", "data interfaces"]), "",
-           _table(links, ["link", "endpoints", "mtu", "direction", "impairments"])]
-    return "\n".join(out)
-
-
 def _attach(name: str | None):
-    from testbed.net import Testbed
+    """The testbed of topology `name`, or of the only one that is up."""
+    from testbed import testbeds
     from testbed.state import running_names
 
     if name is None:
@@ -61,12 +28,9 @@ def _attach(name: str | None):
             raise CliError(f"several topologies are up ({', '.join(names)}): choose one with --topo", EXIT_INPUT)
         name = names[0]
     try:
-        return Testbed.attach(name)
+        return testbeds.attach(name)
     except LookupError as e:
         raise CliError(str(e), EXIT_INPUT) from None
-
-
-# -- commands --------------------------------------------------------------------------------------------------
 
 
 def _inventory(path):
@@ -75,96 +39,63 @@ def _inventory(path):
     return load_inventory(path)  # InputError (exit 2) names the file, line and field
 
 
+# -- commands --------------------------------------------------------------------------------------------------
+
+
 def cmd_up(args) -> int:
-    from testbed.net import Testbed
+    from testbed import testbeds
 
-    if args.machines:
-        from testbed.machines import cluster
-        from testbed.topology.topo import Topology
-
-        if args.capture:
-            raise CliError("--capture is not available across machines yet", EXIT_INPUT)
-        topo = Topology.load(args.file, name=args.name)
-        inventory = _inventory(args.machines)
-        cluster.up(topo, inventory, runtime=args.runtime, vxlan_port=args.vxlan_port)
-        print(cluster.describe(topo.name))
-        print(f"\nup across machines. Run commands with `testbed exec --topo {topo.name} HOST -- CMD`; remove with "
-              f"`testbed down {topo.name}`.")
-        return 0
     capture = {"dir": os.path.abspath(args.capture), "max_bytes": int(args.capture_limit * 1e6)} if args.capture else None
-    tb = Testbed.open(args.file, name=args.name, runtime=args.runtime, capture=capture, results_dir=args.out,
-                      engine_procs=args.engine_procs)
+    tb = testbeds.create(args.file, _inventory(args.machines) if args.machines else None, name=args.name,
+                         runtime=args.runtime, capture=capture, results_dir=args.out, engine_procs=args.engine_procs,
+                         vxlan_port=args.vxlan_port)
     tb.up()
-    print(describe_topology(tb))
+    print(tb.describe())
     print(f"\nup. Run commands with `testbed exec --topo {tb.name} HOST -- CMD`; remove with `testbed down {tb.name}`.")
     return 0
 
 
 def cmd_down(args) -> int:
-    from testbed.clean import clean_all, leftovers, teardown
-    from testbed.state import running_names
-
-    from testbed.machines import cluster
+    from testbed import testbeds
 
     if args.all:
-        errors = cluster.down_all(_inventory(args.machines) if args.machines else None)
-        done = clean_all()
+        done = testbeds.down_all(_inventory(args.machines) if args.machines else None)
         for n in done["topologies"]:
             print(f"down: {n}")
         for s in done["swept"]:
             print(f"removed leftover: {s}")
-        if not done["topologies"] and not done["swept"] and not errors:
+        if not done["topologies"] and not done["swept"] and not done["errors"]:
             print("nothing of the testbed was running")
-        for e in errors:
+        for e in done["errors"]:
             print(f"  could not clean: {e}", file=sys.stderr)
-        return EXIT_FAIL if errors else 0
+        return EXIT_FAIL if done["errors"] else 0
     if not args.names:
         raise CliError("name a topology (testbed down NAME) or use --all", EXIT_INPUT)
     rc = 0
     for name in args.names:
-        if cluster.cluster_of(name) is not None:
-            errors = cluster.down(name)
-            for e in errors:
-                print(f"  could not remove: {e} (state kept: run `testbed down {name}` again)", file=sys.stderr)
-            print(f"down: {name}" + (" (incomplete)" if errors else ""))
-            rc = rc or (EXIT_FAIL if errors else 0)
+        result = testbeds.down(name)
+        if not result["found"]:
+            print(f"no topology named {name!r} is up", file=sys.stderr)
+            rc = EXIT_INPUT
             continue
-        if name not in running_names():
-            if not any(leftovers(name).values()):
-                print(f"no topology named {name!r} is up", file=sys.stderr)
-                rc = EXIT_INPUT
-                continue
-        result = teardown(name)
-        print(f"down: {name}" + (f" (final counters in {result['stats_file']})" if result.get("stats_file") else ""))
-        for e in result.get("errors", []):
+        errors = result.get("errors", [])
+        print(f"down: {name}" + (" (incomplete)" if errors else "")
+              + (f" (final counters in {result['stats_file']})" if result.get("stats_file") else ""))
+        for e in errors:
             print(f"  could not remove: {e} (state kept: run `testbed down {name}` again)", file=sys.stderr)
             rc = rc or EXIT_FAIL
     return rc
 
 
-def topology_status(name: str) -> dict:
-    from testbed.machines import cluster
-    from testbed.net import Testbed
-
-    if cluster.cluster_of(name) is not None:
-        return cluster.status(name)
-
-    try:
-        tb = Testbed.attach(name)
-    except (LookupError, ValueError) as e:  # a state directory without a usable state file: a killed `up`
-        return {"name": name, "file": None, "runtime": None, "phase": "broken", "up_pid": None, "created_at": None,
-                "hosts": {}, "engines": [], "healthy": False,
-                "problems": [f"no usable state ({type(e).__name__}: {e}): remove it with `testbed down {name}`"]}
-    return tb.status()
-
-
 def cmd_status(args) -> int:
+    from testbed import testbeds
+    from testbed.net import text_table
     from testbed.state import running_names
 
     names = [args.topo] if args.topo else running_names()
     if args.topo and args.topo not in running_names():
         raise CliError(f"no topology named {args.topo!r} is up (see `testbed status`)", EXIT_INPUT)
-    result = [topology_status(n) for n in names]
+    result = [testbeds.status(n) for n in names]
     rc = 0 if all(s["healthy"] for s in result) else EXIT_FAIL
     if args.json:
         print(json.dumps(result, indent=2))
@@ -178,7 +109,7 @@ def cmd_status(args) -> int:
         where = f"{s['runtime']} on {len(s['machines'])} machines" if s.get("machines") else s["runtime"]
         rows.append([s["name"], s["phase"], where, len(s["hosts"]), eng, "ok" if s["healthy"] else "PROBLEM",
                      s["file"] or "-"])
-    print(_table(rows, ["topology", "phase", "runtime", "hosts", "engines", "health", "file"]))
+    print(text_table(rows, ["topology", "phase", "runtime", "hosts", "engines", "health", "file"]))
     for s in result:
         for p in s["problems"]:
             print(f"{s['name']}: {p}")
@@ -191,27 +122,15 @@ def cmd_exec(args) -> int:
         argv = argv[1:]
     if not argv:
         raise CliError("give a command after the host: testbed exec HOST -- CMD ...", EXIT_INPUT)
-    from testbed.machines import cluster
-
-    if args.topo and cluster.cluster_of(args.topo) is not None:
-        try:
-            r = cluster.exec_in(args.topo, args.host, argv)
-        except KeyError as e:
-            raise CliError(str(e.args[0]), EXIT_INPUT) from None
-        sys.stdout.write(r.stdout)
-        sys.stderr.write(r.stderr)
-        return r.returncode
     tb = _attach(args.topo)
     try:
-        host = tb.host(args.host)
+        return tb.exec_interactive(args.host, argv)
     except KeyError as e:
         raise CliError(str(e.args[0]), EXIT_INPUT) from None
-    cmd = tb.runtime.exec_argv(host, argv)
-    sys.stdout.flush()
-    try:
-        os.execvp(cmd[0], cmd)  # stdout, stderr and the exit code pass straight through
     except FileNotFoundError:
-        raise CliError(f"{cmd[0]} not found") from None
+        raise CliError(f"{argv[0]} not found") from None
+    finally:
+        tb.close()
 
 
 def cmd_doctor(args) -> int:
@@ -226,17 +145,13 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from testbed.machines import cluster
+    from testbed.net import text_table
 
-    if args.topo and cluster.cluster_of(args.topo) is not None:
-        stats = cluster.stats(args.topo)
-
-        class _Named:
-            name = args.topo
-        tb = _Named()
-    else:
-        tb = _attach(args.topo)
+    tb = _attach(args.topo)
+    try:
         stats = tb.stats()
+    finally:
+        tb.close()
     rc = 0 if all(s.get("alive", True) for s in stats) else EXIT_FAIL
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -250,8 +165,8 @@ def cmd_stats(args) -> int:
                      s.get("packets", 0), s.get("bits_seen", 0), s.get("bits_flipped", 0),
                      f"{s.get('realized_ber') or 0:.3g}", s.get("packets_modified", 0), s.get("packets_unparsed", 0),
                      s.get("flows_excluded", 0), _dropped(s)])
-    print(_table(rows, ["link", "direction", "alive", "ber", "packets", "bits_seen", "bits_flipped", "realized",
-                        "modified", "unparsed", "excluded", "engine_dropped"]))
+    print(text_table(rows, ["link", "direction", "alive", "ber", "packets", "bits_seen", "bits_flipped", "realized",
+                            "modified", "unparsed", "excluded", "engine_dropped"]))
     if any(s.get("queue_dropped") or s.get("user_dropped") for s in stats):
         print("engine_dropped: packets the kernel dropped because an NFQUEUE engine fell behind (queue full / "
               "socket overrun), not link loss; --json has queue_dropped and user_dropped apart")
@@ -267,23 +182,6 @@ def _dropped(s: dict) -> str:
 def cmd_link_set(args) -> int:
     from testbed.topology.units import parse_probability
 
-    from testbed.machines import cluster
-
-    if args.topo and cluster.cluster_of(args.topo) is not None:
-        forward = []
-        for flag in ("direction", "ber", "scope", "checksum", "seed", "error_model", "burst_length", "element",
-                     "protect", "protected_ber"):
-            v = getattr(args, flag)
-            if v is not None:
-                forward += [f"--{flag.replace('_', '-')}", str(v)]
-        if args.error_model:
-            forward += ["--bad-ber", str(args.bad_ber)]
-        try:
-            print(cluster.link_set(args.topo, args.link, forward))
-        except KeyError as e:
-            raise CliError(str(e.args[0]), EXIT_INPUT) from None
-        return 0
-    tb = _attach(args.topo)
     settings = {}
     if args.ber is not None:
         try:
@@ -305,48 +203,35 @@ def cmd_link_set(args) -> int:
     if not settings:
         raise CliError("nothing to change: give --ber, --scope, --checksum, --seed, --error-model, --element, "
                        "--protect or --protected-ber", EXIT_INPUT)
+    tb = _attach(args.topo)
     try:
         changed = tb.set_link(args.link, args.direction, **settings)
     except KeyError as e:
         raise CliError(str(e.args[0]), EXIT_INPUT) from None
+    finally:
+        tb.close()
     for c in changed:
         print(f"{c}: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     return 0
 
 
 def cmd_part_up(args) -> int:
-    """One machine's part of a cross-machine topology (run by the controller over SSH; see testbed/machines/cluster.py)."""
-    from testbed.net import Testbed
-    from testbed.topology.topo import Topology
+    """One machine's part of a cross-machine topology (run by the controller over SSH; testbed/machines)."""
+    from testbed.machines.cluster import part_up
 
-    spec = json.loads(open(args.spec).read())
-    topo = Topology.from_dict(spec["topology"], file=spec.get("file"))
-    part = {k: spec[k] for k in ("machine", "nodes", "tunnels", "mgmt", "placement")}
-    Testbed(topo, runtime=spec.get("runtime"), part=part).up()
-    print(f"up: {topo.name} part {spec['machine']} ({', '.join(spec['nodes'])})")
+    print(part_up(args.spec))
     return 0
 
 
 def cmd_part_link(args) -> int:
-    """Engine operations on this machine's part of a cross-machine topology, for benchmarks the controller runs
-    (testbed/machines/cluster.py ClusterTestbed): set (settings as JSON), detach, attach, restore (saved settings as JSON)."""
-    from testbed.net import Testbed
+    """Engine operations on this machine's part of a cross-machine topology (ClusterTestbed on the controller):
+    set (settings as JSON), detach, attach, restore (saved settings as JSON)."""
+    from testbed.machines.cluster import part_link
 
-    tb = Testbed.attach(args.topo)
-    payload = json.loads(args.settings) if args.settings else {}
-    if args.op == "set":
-        tb.set_link(args.link, **payload)
-    elif args.op in ("detach", "attach"):
-        from testbed.engine.manager import attach_engine, detach_engine
-
-        for h in tb.engine_handles([args.link]).values():
-            if h.rule:
-                (detach_engine if args.op == "detach" else attach_engine)(h)
-    elif args.op == "restore":
-        failed: list[str] = []
-        tb._restore_engines([args.link], payload, failed.append)
-        if failed:
-            raise CliError("; ".join(failed))
+    try:
+        part_link(args.topo, args.op, args.link, json.loads(args.settings) if args.settings else {})
+    except RuntimeError as e:
+        raise CliError(str(e)) from None
     return 0
 
 
@@ -516,23 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_machine_info)
 
-    for register in _extensions():
+    # commands that live with their subsystems (experiments and training, benchmarks, images, locate)
+    from testbed.experiments import cli as experiments_cli
+    from testbed.locate import cli as locate_cli
+    from testbed.runtime import image_cli
+
+    for register in (experiments_cli.register, image_cli.register, locate_cli.register):
         register(sub)
     return p
-
-
-def _extensions():
-    """Commands that live with their subsystems (training, experiments, benchmarks, images)."""
-    regs = []
-    for mod in ("testbed.train.cli", "testbed.experiments.cli", "testbed.runtime.image_cli", "testbed.locate.cli"):
-        try:
-            m = __import__(mod, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name == mod:  # that subsystem is not part of this build
-                continue
-            raise
-        regs.append(m.register)
-    return regs
 
 
 def main(argv: list[str] | None = None) -> int:

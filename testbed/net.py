@@ -1,4 +1,5 @@
-"""Bring a topology up and down: the orchestration shared by the CLI, the tests and the experiments.
+"""Bring a topology up and down on this machine: the local testbed (testbed/base.py's interface; callers get
+one from testbed/testbeds.py). On one machine of several it builds that machine's part (testbed/machines).
 
     with Testbed.open("topologies/pair.yaml") as tb:
         tb.run("h1", ["ping", "-c1", str(tb.address("h2"))])
@@ -14,13 +15,17 @@ lives in testbed/clean.py (`teardown`, re-exported here), which needs nothing of
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from testbed import link, nsutil
+from testbed.base import BaseTestbed, Workers
 from testbed.clean import teardown  # noqa: F401 (re-exported: `from testbed.net import teardown`)
 from testbed.runtime.base import Host, Runtime, get_runtime
 from testbed.state import State, claim, state_dir
@@ -54,7 +59,7 @@ def engine_procs_default() -> str:
     return v
 
 
-class Testbed:
+class Testbed(BaseTestbed):
     def __init__(self, topology: Topology, runtime: str | None = None, capture: dict | None = None,
                  results_dir: str | Path | None = None, part: dict | None = None, engine_procs: str | None = None):
         self.topo = topology
@@ -81,10 +86,6 @@ class Testbed:
         return cls(Topology.load(path, name=name), runtime=runtime, capture=capture, results_dir=results_dir,
                    engine_procs=engine_procs)
 
-    @property
-    def name(self) -> str:
-        return self.topo.name
-
     def is_local(self, node: str) -> bool:
         """Whether `node` is built on this machine (always, without a part)."""
         return self.part is None or node in self.part["nodes"]
@@ -99,12 +100,6 @@ class Testbed:
         if self._runtime is None:
             self._runtime = get_runtime(self.runtime_name)
         return self._runtime
-
-    def __enter__(self) -> "Testbed":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
     def preflight(self) -> None:
         """Everything that can be checked before creating anything."""
@@ -556,12 +551,6 @@ class Testbed:
         except KeyError:
             raise KeyError(f"topology {self.name!r} has no host {node!r} (hosts: {', '.join(self.topo.hosts)})") from None
 
-    def address(self, node: str) -> str:
-        return str(self.topo.plan.data_address(node))
-
-    def mgmt_address(self, node: str) -> str:
-        return str(self.topo.plan.mgmt[node].ip)
-
     def popen(self, node: str, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
         return self.runtime.popen(self.host(node), argv, env, **kw)
 
@@ -582,11 +571,61 @@ class Testbed:
             r.check_returncode()
         return r
 
+    def exec_interactive(self, node: str, argv: list[str]) -> int:
+        """Replace this process by argv in `node`: stdout, stderr and the exit code pass straight through."""
+        cmd = self.runtime.exec_argv(self.host(node), argv)
+        sys.stdout.flush()
+        os.execvp(cmd[0], cmd)  # FileNotFoundError if there is no such program
+        return 0  # not reached
+
+    def read_json_line(self, proc, key: str, timeout: float = 30) -> dict:
+        from testbed.procs import read_json_line
+
+        return read_json_line(proc, key, timeout)
+
+    def read_file(self, node: str, path: str) -> str:
+        with open(path) as f:  # the hosts write into this machine's file system
+            return f.read()
+
+    @contextmanager
+    def host_dir(self, hosts: list[str], local_dir: Path) -> Iterator[Path]:
+        yield Path(local_dir)
+
+    def workers(self, out: Path, hosts: list[str], passed: tuple[str, ...]) -> "LocalWorkers":
+        return LocalWorkers(self, Path(out), hosts, passed)
+
+    def restore_links(self, links: list[str], saved: dict[str, dict], report: Callable[[str], None]) -> None:
+        self._restore_engines(links, saved, report)
+
+    def describe_ranks(self, hosts: list[str]) -> str:
+        return f"{self.name} ({self.runtime_name}): {len(hosts)} ranks on {', '.join(hosts)}"
+
+    def describe(self) -> str:
+        topo = self.topo
+        hosts = []
+        for h in topo.hosts:
+            ifs = ", ".join(f"{i.iface} {i.address}" for i in topo.plan.interfaces[h])
+            hosts.append([h, self.runtime_name, f"mgmt0 {topo.plan.mgmt[h]}", ifs or "-"])
+        for s in topo.switches:
+            hosts.append([s, "switch", "-", "bridge br0"])
+        links = []
+        engines = self.state.data.get("engines", {}) if self.state else {}
+        for l in topo.links:
+            for dname, _, _, imp in l.directions():
+                desc = imp.describe()
+                if desc.endswith(" engine auto"):  # say what auto resolved to (not started here: another machine's)
+                    kind = engines.get(f"{l.name}/{dname}", {}).get("spec", {}).get("engine")
+                    desc = desc[: -len("auto")] + (f"{kind} (auto)" if kind else "auto")
+                links.append([l.name, f"{l.a} <-> {l.b}", l.mtu, dname, desc])
+        return "\n".join([f"topology {topo.name} ({topo.file or 'in memory'}), runtime {self.runtime_name}", "",
+                          text_table(hosts, ["node", "runtime", "management", "data interfaces"]), "",
+                          text_table(links, ["link", "endpoints", "mtu", "direction", "impairments"])])
+
     # -- teardown ------------------------------------------------------------------------------------------
 
     def down(self, save_stats: bool = True) -> dict:
         if self.state is None:
-            return {}
+            return {"errors": []}
         result = teardown(self.name, save_stats=save_stats, results_dir=self.results_dir)
         self.state = None
         return result
@@ -603,6 +642,48 @@ class Testbed:
                  results_dir=st.data.get("results_dir"), part=st.data.get("part"))
         tb.state = st
         return tb
+
+
+class LocalWorkers(Workers):
+    """Training workers in this machine's hosts. They write where they can: anywhere for namespace hosts, the
+    runtime's shared work directory for containers (moved into `out` on leaving)."""
+
+    def __init__(self, tb: Testbed, out: Path, hosts: list[str], passed: tuple[str, ...]):
+        self.tb, self.out, self.hosts, self.passed = tb, out, hosts, passed
+        shared = tb.runtime.shared_dir()
+        self.run_dir = out if shared is None else Path(shared) / f"run-{uuid.uuid4().hex[:12]}"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.facts: dict = {}
+
+    def spawn(self, rank: int, argv: list[str], env: dict):
+        tb = self.tb
+        argv = [tb.runtime.python, *argv[1:]]  # the host's python (the image's, in a container)
+        with open(self.run_dir / f"worker-rank{rank}.log", "wb") as logf:
+            return tb.popen(self.hosts[rank], argv, {k: env[k] for k in self.passed if k in env},
+                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def __exit__(self, *exc) -> None:
+        self.facts.update(self.tb.runtime.run_facts(self.tb.host(self.hosts[0])))
+        if self.run_dir != self.out:
+            for p in self.run_dir.iterdir():
+                dest = self.out / p.name
+                if dest.exists():
+                    dest.unlink() if dest.is_file() else shutil.rmtree(dest)
+                shutil.move(str(p), dest)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.facts["run_dir"] = str(self.out)
+
+
+def text_table(rows: list[list], header: list[str]) -> str:
+    """Rows under a header, columns aligned, a rule below the header."""
+    rows = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
 
 
 def hosts_file(topo: Topology) -> str:

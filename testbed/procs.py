@@ -7,8 +7,11 @@ for that same process."""
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
+import time
 from typing import Callable
 
 PROC = "/proc"
@@ -119,3 +122,35 @@ def kill_group(pid: int, sig: int = signal.SIGKILL) -> bool:
     except (ProcessLookupError, PermissionError):  # PermissionError: the group id now names another's group
         return kill(pid, sig)
     return True
+
+
+# -- the JSON lines a program prints (the probes, the benchmarks) -------------------------------------------------
+
+
+def read_json_line(proc, key: str, timeout: float = 30) -> dict:
+    """Read a local probe's stdout lines until a JSON object with `key`; raise (with its stderr) on EOF or timeout.
+    (A process on another machine reads its own: RemotePopen.read_json_line; BaseTestbed.read_json_line picks.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no {key!r} line from pid {proc.pid} within {timeout:.0f} s")
+        r, _, _ = select.select([proc.stdout], [], [], left)
+        if not r:
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"pid {proc.pid} ended without a {key!r} line; stderr:\n{err.strip()[-1500:]}")
+        obj = json_with(line, key)
+        if obj is not None:
+            return obj
+
+
+def json_with(line: str, key: str) -> dict | None:
+    """The JSON object on `line` if it has `key`; None for anything else (other lines, text, a torn line)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) and key in obj else None

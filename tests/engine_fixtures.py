@@ -22,7 +22,7 @@ from scipy import stats
 
 from testbed import procs
 from testbed.engine.manager import EngineSpec, engine_alive, start_engine, stop_engine
-from testbed.bench.probe import read_json_line  # noqa: F401  (tests import it from here)
+from testbed.procs import read_json_line  # noqa: F401  (tests import it from here)
 
 PREFIX = "tbE"
 ADDR = {"a": "10.99.0.1", "b": "10.99.0.2"}

@@ -225,7 +225,7 @@ def test_host_engine_process_drops_in_stats_and_live_join(capsys):
 def test_up_prints_what_engine_auto_resolved_to():
     from types import SimpleNamespace
 
-    from testbed.cli import describe_topology
+    from testbed.net import Testbed
     from testbed.topology.topo import Topology
 
     topo = Topology.from_dict({"name": "autoeng", "topology": {
@@ -233,9 +233,10 @@ def test_up_prints_what_engine_auto_resolved_to():
         "links": [{"endpoints": ["h1:eth1", "h2:eth1"], "ber": 1e-6, "engine": "auto",
                    "directions": {"h2->h1": {"scope": "tensor"}}}]}})
     engines = {"h1-h2/h1->h2": {"spec": {"engine": "bpf"}}, "h1-h2/h2->h1": {"spec": {"engine": "nfqueue"}}}
-    tb = SimpleNamespace(topo=topo, runtime_name="netns", state=SimpleNamespace(data={"engines": engines}))
-    rows = {line.split()[5]: line for line in describe_topology(tb).splitlines() if "->" in line}
+    tb = Testbed(topo)  # not up: describe() reads the engines of its state
+    tb.state = SimpleNamespace(data={"engines": engines})
+    rows = {line.split()[5]: line for line in tb.describe().splitlines() if "->" in line}
     assert rows["h1->h2"].endswith("engine bpf (auto)") and rows["h2->h1"].endswith("engine nfqueue (auto)")
     # a direction whose engine runs on another machine: nothing resolved here
     tb.state.data["engines"] = {}
-    assert describe_topology(tb).count("engine auto") == 2
+    assert tb.describe().count("engine auto") == 2

@@ -14,14 +14,14 @@ cross this link and no other). Configurations, always in this order:
     ber B fix        for each BER B > 0 (ascending): corrupted bytes delivered, no retransmission
     ber B keep       the same BER, corrupted frames dropped by the receiver, TCP retransmits
 
-Engines are changed live (`Testbed.set_link`, both directions, scope payload); a direction without one gets one
+Engines are changed live (`BaseTestbed.set_link`, both directions, scope payload); a direction without one gets one
 started. Every configuration uses a fresh TCP connection, the same message size and count, and the same few
 in-connection warm-up round trips (not timed); one discarded warm-up run precedes the first configuration.
 Per configuration the engines' counters (bits flipped) and the hosts' /proc/net/snmp and /proc/net/netstat
 (retransmitted segments, checksum drops, RTOs, tail-loss probes) are read before and after.
 
 A topology given as a Topology (or YAML path on the command line) is brought up for the measurement without any
-engine on the measured link and taken down after. A topology that is up (a Testbed or its name) is left as it
+engine on the measured link and taken down after. A topology that is up (a BaseTestbed or its name) is left as it
 was found: engines the benchmark started are stopped, the settings of engines it changed are restored, and
 for "no engine" existing engines are detached (their NFQUEUE rule removed) only while that configuration runs.
 
@@ -51,9 +51,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from testbed.bench.probe import read_json_line
+from testbed import testbeds
+from testbed.base import BaseTestbed
 from testbed.errors import EXIT_CAPABILITY, EXIT_INPUT, CliError
-from testbed.net import Testbed, counter_delta
+from testbed.net import counter_delta  # MERGE
 from testbed.runtime.base import RuntimeUnavailable, runtime_names
 from testbed.state import write_json_atomic
 from testbed.topology.topo import Link, Topology, TopologyError
@@ -117,7 +118,7 @@ def link_address(topo: Topology, link: Link, host: str) -> str:
 
 
 def _engine_delta(before: dict[str, dict], after: dict[str, dict]) -> dict:
-    """ENGINE_FIELDS summed over every engine of two `Testbed.counters()` snapshots, and which died."""
+    """ENGINE_FIELDS summed over every engine of two `BaseTestbed.counters()` snapshots, and which died."""
     per_engine = counter_delta(before, after, ENGINE_FIELDS)
     d: dict[str, Any] = {f: sum(e[f] for e in per_engine.values()) for f in ENGINE_FIELDS}
     d["engines_alive"] = all(e["alive"] for e in per_engine.values())
@@ -125,7 +126,7 @@ def _engine_delta(before: dict[str, dict], after: dict[str, dict]) -> dict:
     return d
 
 
-def _snmp(tb: Testbed, host: str) -> dict[str, int]:
+def _snmp(tb: BaseTestbed, host: str) -> dict[str, int]:
     """TCP counters of `host`'s network namespace (read inside it: /proc/net is per namespace)."""
     r = tb.run(host, ["cat", "/proc/net/snmp", "/proc/net/netstat"], timeout=30)
     if r.returncode != 0:
@@ -151,72 +152,52 @@ def _snmp_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, in
 
 
 @contextmanager
-def _open(target: "Testbed | Topology | str", *, runtime: str | None, name: str | None, out: Path | None,
+def _open(target: "BaseTestbed | Topology | str", *, runtime: str | None, name: str | None, out: Path | None,
           links: set[str], prepare: Callable[[Topology], Topology] | None = None, log: Log,
-          machines=None) -> Iterator[Testbed]:
-    """A running Testbed for `target`: a Topology is brought up (after `prepare`) and down after; a Testbed or
-    the name of a topology that is up is used as it is and its `links`' engines are put back afterwards.
-    With `machines` (an inventory) a Topology is placed across those machines (testbed/machines/cluster.py) and measured
-    through a ClusterTestbed; a name that is up across machines is found without it."""
-    from testbed.machines import cluster
-
+          machines=None) -> Iterator[BaseTestbed]:
+    """A running testbed for `target`: a Topology is brought up (after `prepare`; across the machines of the
+    inventory `machines`, if given) and down after; a testbed or the name of a topology that is up is used as it
+    is and its `links`' engines are put back afterwards."""
     if isinstance(target, Topology):
         topo = target
         if name or runtime:
             topo = topo.with_overrides(name=name, runtime=runtime)
         if prepare is not None:
             topo = prepare(topo)
-        if machines is not None:
-            cluster.up(topo, machines, runtime=runtime, log=log)
-            try:
-                log(cluster.describe(topo.name))
-                with cluster.ClusterTestbed(topo.name) as tb:
-                    yield tb
-            finally:
-                errors = cluster.down(topo.name, log=_quiet)
-                if errors:
-                    log(f"warning: could not remove {topo.name} everywhere: {'; '.join(errors)} "
-                        f"(run `testbed down {topo.name}`)")
-            return
-        with Testbed(topo, runtime=runtime, results_dir=out) as tb:
+        with testbeds.create(topo, machines, runtime=runtime, results_dir=out, log=log) as tb:
             yield tb
         return
-    if isinstance(target, str) and cluster.cluster_of(target) is not None:
-        with cluster.ClusterTestbed(target) as tb, tb.links_restored(links, warn=lambda m: log(f"warning: {m}")):
+    tb = _attached(target)
+    try:
+        if not tb.is_up:
+            raise BenchError(f"topology {tb.name} is not up")
+        with tb.links_restored(links, warn=lambda msg: log(f"warning: {msg}")):
             yield tb
-        return
+    finally:
+        if tb is not target:
+            tb.close()
+
+
+def _attached(target: "BaseTestbed | str") -> BaseTestbed:
+    """The testbed of `target`: itself, or that of the topology of that name that is up."""
+    if isinstance(target, BaseTestbed):
+        return target
     if isinstance(target, str):
         try:
-            tb = Testbed.attach(target)
+            return testbeds.attach(target)
         except LookupError:
             raise BenchError(f"{target!r} is neither a topology file nor the name of a topology that is up "
                              "(testbed status lists those)") from None
-    elif isinstance(target, Testbed):
-        tb = target
-        if not tb.is_up:
-            raise BenchError(f"topology {tb.name} is not up")
-    else:
-        raise TypeError("target must be a Testbed, a Topology or the name of a topology that is up")
-    with tb.links_restored(links, warn=lambda msg: log(f"warning: {msg}")):
-        yield tb
+    raise TypeError("target must be a testbed, a Topology or the name of a topology that is up")
 
 
 def _topology_of(target) -> Topology:
     if isinstance(target, Topology):
         return target
-    if isinstance(target, Testbed):
-        return target.topo
-    if isinstance(target, str):
-        from testbed.machines import cluster
-
-        if cluster.cluster_of(target) is not None:
-            return cluster.ClusterTestbed(target).topo
-        try:
-            return Testbed.attach(target).topo  # the state file's topology, checked like every attach
-        except LookupError:
-            raise BenchError(f"{target!r} is neither a topology file nor the name of a topology that is up "
-                             "(testbed status lists those)") from None
-    raise TypeError("target must be a Testbed, a Topology or the name of a topology that is up")
+    tb = _attached(target)  # the state file's topology, checked like every attach
+    if tb is not target:
+        tb.close()
+    return tb.topo
 
 
 def _without_ber(topo: Topology, link_name: str) -> Topology:
@@ -280,14 +261,14 @@ def _check_bers(bers) -> list[float]:
     return out
 
 
-def _pingpong(tb: Testbed, client: str, server: str, addr: str, size: int, count: int, warmup: int,
+def _pingpong(tb: BaseTestbed, client: str, server: str, addr: str, size: int, count: int, warmup: int,
               port: int) -> dict:
     py = tb.runtime.python
     srv = tb.popen(server, [py, "-m", "testbed.bench.probe", "pingpong-server", "--port", str(port),
                             "--size", str(size)],
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
-        read_json_line(srv, "listening", timeout=60)
+        tb.read_json_line(srv, "listening", timeout=60)
         argv = [py, "-m", "testbed.bench.probe", "pingpong-client", "--host", addr, "--port", str(port),
                 "--count", str(count), "--size", str(size), "--warmup", str(warmup)]
         t0 = time.monotonic()
@@ -350,14 +331,14 @@ def latency_headline(results: list[dict]) -> list[dict]:
     return rows
 
 
-def measure_latency(tb_or_topology: "Testbed | Topology | str", link: str | None = None, bers=DEFAULT_BERS,
+def measure_latency(tb_or_topology: "BaseTestbed | Topology | str", link: str | None = None, bers=DEFAULT_BERS,
                     size: int = DEFAULT_SIZE, count: int = DEFAULT_COUNT, log: Log = print, *,
                     repeat: int = 1, warmup: int = DEFAULT_WARMUP, port: int = PINGPONG_PORT,
                     out: str | Path | None = None, runtime: str | None = None, name: str | None = None,
                     machines=None, engine: str | None = None) -> dict:
     """Ping-pong RTT percentiles over one link for every configuration of `latency_configurations(bers)`.
 
-    `tb_or_topology`: a Topology (brought up without an engine on the link, down after), or a running Testbed
+    `tb_or_topology`: a Topology (brought up without an engine on the link, down after), or a running BaseTestbed
     or its name (left as found). With `repeat` > 1 the whole fixed sequence runs `repeat` times (interleaved, so
     drift hits every configuration alike); each result then pools all samples, and `repeats` holds the
     per-repetition figures. Returns the latency.json document (written atomically to out/latency.json if
@@ -512,7 +493,7 @@ def parse_sizes(text: str | list) -> list[int]:
     return sizes
 
 
-def measure_collective(tb_or_topology: "Testbed | Topology | str", sizes=DEFAULT_COLLECTIVE_SIZES,
+def measure_collective(tb_or_topology: "BaseTestbed | Topology | str", sizes=DEFAULT_COLLECTIVE_SIZES,
                        ber: float | None = None, scope: str = "tensor", checksum: str | None = None,
                        collectives: list[str] | None = None, log: Log = print, *, budget: float = 0.5,
                        timeout: float = 60.0, out: str | Path | None = None, runtime: str | None = None,
@@ -556,23 +537,19 @@ def measure_collective(tb_or_topology: "Testbed | Topology | str", sizes=DEFAULT
         run_dir = Path(shared) / f"bench-{uuid.uuid4().hex[:12]}" if shared is not None else \
             base / f".collective-{uuid.uuid4().hex[:8]}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        # across machines the ranks write into a directory of the same name on every machine (rank 0's result
-        # is read from its machine); the rank logs come back into run_dir here
-        remote_dir = f"/tmp/testbed-bench-{uuid.uuid4().hex[:12]}" if hasattr(tb, "make_dir") else None
-        result_file = Path(remote_dir or run_dir) / "collective-rank0.json"
         before = tb.counters()
         log(f"collective on {tb.name} ({tb.runtime_name}): {len(hosts)} ranks on {', '.join(hosts)}, "
             f"{len(sizes)} sizes" + (f", ber {ber:g} {scope}" if ber is not None else ""))
         try:
-            if remote_dir:
-                tb.make_dir(hosts, remote_dir)
-            worker = _run_collective(tb, hosts, sizes, budget, timeout, run_dir, result_file, log)
+            # the ranks write where rank 0's result can be read: run_dir where the hosts see this machine's
+            # files, else a directory of the same name on every machine; the rank logs come into run_dir here
+            with tb.host_dir(hosts, run_dir) as result_dir:
+                worker = _run_collective(tb, hosts, sizes, budget, timeout, run_dir,
+                                         result_dir / "collective-rank0.json", log)
         finally:
             after = tb.counters()
             logs = {p.name: p.read_text(errors="replace")[-4000:] for p in sorted(run_dir.glob("rank*.log"))}
             shutil.rmtree(run_dir, ignore_errors=True)
-            if remote_dir:
-                tb.remove_dir(hosts, remote_dir)
         runtime_name, topo_name, topo_file = tb.runtime_name, tb.name, tb.topo.file
     eng = _engine_delta(before, after)
     doc = {"topology": topo_name, "topology_file": topo_file, "runtime": runtime_name, "hosts": hosts,
@@ -587,7 +564,7 @@ def measure_collective(tb_or_topology: "Testbed | Topology | str", sizes=DEFAULT
     return doc
 
 
-def _run_collective(tb: Testbed, hosts: list[str], sizes: list[int], budget: float, timeout: float,
+def _run_collective(tb: BaseTestbed, hosts: list[str], sizes: list[int], budget: float, timeout: float,
                     run_dir: Path, result_file: Path, log: Log) -> dict:
     master, port = tb.mgmt_address(hosts[0]), str(tb.topo.control_ports[0])
     argv = [tb.runtime.python, "-m", "testbed.bench.collective", "--sizes", *map(str, sizes),
@@ -614,10 +591,7 @@ def _run_collective(tb: Testbed, hosts: list[str], sizes: list[int], budget: flo
                               for r, c in enumerate(codes) if c != 0)
             why = "timed out" if any(c is None for c in codes) else "failed"
             raise RuntimeError(f"collective benchmark {why} (exit codes {codes}):\n{tails}")
-        if hasattr(tb, "read_file"):  # on rank 0's machine
-            return json.loads(tb.read_file(hosts[0], str(result_file)))
-        with open(result_file) as f:
-            return json.load(f)
+        return json.loads(tb.read_file(hosts[0], str(result_file)))  # on rank 0's machine
     finally:
         for p in procs:
             _stop(p)

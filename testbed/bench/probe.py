@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-__all__ = ["CHUNK", "expected_chunk", "tcp_snmp", "popcount", "read_json_line", "json_with"]
+__all__ = ["CHUNK", "expected_chunk", "tcp_snmp", "popcount"]
 
 CHUNK = 1 << 20
 
@@ -40,38 +40,6 @@ def tcp_snmp() -> dict[str, int]:
     with open("/proc/net/snmp") as f:
         lines = [line.split() for line in f if line.startswith("Tcp:")]
     return {k: int(v) for k, v in zip(lines[0][1:], lines[1][1:])}
-
-
-def read_json_line(proc, key: str, timeout: float = 30) -> dict:
-    """Read a probe's stdout lines until a JSON object with `key`; raise (with its stderr) on EOF or timeout."""
-    import select
-
-    if hasattr(proc, "read_json_line"):  # a process on another machine (testbed.machines.cluster.RemotePopen)
-        return proc.read_json_line(key, timeout)
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no {key!r} line from pid {proc.pid} within {timeout:.0f} s")
-        r, _, _ = select.select([proc.stdout], [], [], left)
-        if not r:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"pid {proc.pid} ended without a {key!r} line; stderr:\n{err.strip()[-1500:]}")
-        obj = json_with(line, key)
-        if obj is not None:
-            return obj
-
-
-def json_with(line: str, key: str) -> dict | None:
-    """The JSON object on `line` if it has `key`; None for anything else (other lines, text, a torn line)."""
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) and key in obj else None
 
 
 def _emit(obj: dict) -> None:

@@ -13,15 +13,13 @@ The engines' counters are read before and after, so the summary says how many bi
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import subprocess
 import time
-import uuid
 from pathlib import Path
 
-from testbed.machines.cluster import ClusterTestbed, cluster_of
+from testbed import testbeds
+from testbed.base import BaseTestbed
 from testbed.locate.launcher import monitoring
-from testbed.net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME, Testbed
+from testbed.net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME  # MERGE
 from testbed.state import write_json_atomic
 from testbed.topology.topo import Topology
 from testbed.train.model import PRESETS
@@ -45,7 +43,7 @@ def prepare_data(cfg: TrainSettings, log=print) -> None:
     prepare(PRESETS[cfg.model].vocab_size, cfg.data, log=log)
 
 
-def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dict:
+def train_on(tb: BaseTestbed, cfg: TrainSettings, out: str | Path, log=print) -> dict:
     """Run the workers on a topology that is up; return the summary (also written to out/summary.json)."""
     from testbed.train.launch import run_workers
 
@@ -56,41 +54,17 @@ def train_on(tb: Testbed, cfg: TrainSettings, out: str | Path, log=print) -> dic
     if cfg.mode == "pp":
         _check_chain(topo, hosts, log)
     prepare_data(cfg, log=lambda m: log(f"data: {m}"))
-    if isinstance(tb, ClusterTestbed):
-        return _train_across_machines(tb, cfg, out, hosts, log)
-
-    # Workers write where they can: anywhere for namespace hosts, the shared work directory for containers.
-    shared = tb.runtime.shared_dir()
-    run_dir = out if shared is None else Path(shared) / f"run-{uuid.uuid4().hex[:12]}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env_for_rank = _rank_env(tb, hosts)
-
-    def spawn(rank: int, argv: list[str], env: dict):
-        argv = [tb.runtime.python, *argv[1:]]  # the host's python (the image's, in a container)
-        with open(run_dir / f"worker-rank{rank}.log", "wb") as logf:
-            return tb.popen(hosts[rank], argv, {k: env[k] for k in PASSED_ENV if k in env},
-                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-
     before = tb.counters()
     started = time.time()
-    log(f"training {cfg.mode} {cfg.model} on {topo.name} ({tb.runtime_name}): {len(hosts)} ranks on "
-        f"{', '.join(hosts)}, {cfg.steps} steps")
-    with monitoring(tb, cfg, run_dir, hosts):  # --monitor: monitor.json, the engines' counters while it runs
-        summary = run_workers(spawn, len(hosts), cfg.worker_argv(), run_dir, env_for_rank,
-                              timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
+    log(f"training {cfg.mode} {cfg.model} on {tb.describe_ranks(hosts)}, {cfg.steps} steps")
+    with tb.workers(out, hosts, PASSED_ENV) as workers:
+        workers.prepare_data(cfg.model, cfg.data)
+        with monitoring(tb, cfg, workers.run_dir, hosts):  # --monitor: the engines' counters while it runs
+            summary = run_workers(workers.spawn, len(hosts), cfg.worker_argv(), workers.run_dir,
+                                  _rank_env(tb, hosts), timeout_s=cfg.run_timeout,
+                                  stall_timeout_s=cfg.stall_timeout, log=log)
     _finish(tb, summary, before, hosts, started, cfg)
-    if tb.runtime_name == "docker":
-        from testbed.runtime.image import image_digest
-        summary["image"] = tb.host(hosts[0]).extra.get("image")
-        summary["image_digest"] = image_digest(summary["image"])
-    if run_dir != out:
-        for p in run_dir.iterdir():
-            dest = out / p.name
-            if dest.exists():
-                dest.unlink() if dest.is_file() else shutil.rmtree(dest)
-            shutil.move(str(p), dest)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        summary["run_dir"] = str(out)
+    summary.update(workers.facts)  # where it ran: the image (docker), the machines (across machines)
     write_json_atomic(out / "summary.json", summary)
     return summary
 
@@ -109,27 +83,6 @@ def _rank_env(tb, hosts: list[str]):
                 "TESTBED_MGMT_IFNAME": MGMT_IFNAME, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
     return env_for_rank
-
-
-def _train_across_machines(tb: ClusterTestbed, cfg: TrainSettings, out: Path, hosts: list[str], log) -> dict:
-    """train_on for a topology that spans machines: workers run on their hosts' machines, their files are
-    mirrored into `out` as they are written, engine counters come from every machine."""
-    from testbed.train.launch import run_workers
-
-    before = tb.counters()
-    started = time.time()
-    placed = {h: tb.machine_of(h) for h in hosts}
-    log(f"training {cfg.mode} {cfg.model} on {tb.topo.name} across machines: {len(hosts)} ranks on "
-        + ", ".join(f"{h}@{m}" for h, m in placed.items()) + f", {cfg.steps} steps")
-    with tb.workers(out, hosts, PASSED_ENV) as workers:
-        workers.prepare_data(cfg.model, cfg.data)
-        with monitoring(tb, cfg, out, hosts):
-            summary = run_workers(workers.spawn, len(hosts), cfg.worker_argv(), out, _rank_env(tb, hosts),
-                                  timeout_s=cfg.run_timeout, stall_timeout_s=cfg.stall_timeout, log=log)
-    _finish(tb, summary, before, hosts, started, cfg)
-    summary["machines"] = placed  # where every host ran
-    write_json_atomic(out / "summary.json", summary)
-    return summary
 
 
 def _finish(tb, summary: dict, before: dict, hosts: list[str], started: float, cfg: TrainSettings) -> None:
@@ -207,34 +160,20 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
         if machines is not None:
             raise ValueError("injector process runs its workers on this machine: --machines does not apply")
         return train_process(topology, cfg, out, overrides, log=log)
-    if isinstance(topology, str) and cluster_of(topology) is not None:
-        if any(v is not None for v in overrides.values()):
-            raise ValueError(f"{topology} spans machines: set its links with `testbed link set`, or give the "
-                             "topology file with --machines so that the run brings it up with these settings")
-        return train_on(ClusterTestbed(topology), cfg, out, log=log)
-    if isinstance(topology, str):
-        tb = Testbed.attach(topology)
-        settings = {k: v for k, v in overrides.items() if v is not None}
-        if settings:
-            for link in tb.topo.links:
-                tb.set_link(link.name, **settings)
-        return train_on(tb, cfg, out, log=log)
-    topo = topology.with_overrides(name=name, runtime=runtime, **overrides)
-    if machines is not None:  # an inventory: bring it up across its machines for the run, then down
-        from testbed.machines import cluster
-
-        cluster.up(topo, machines, runtime=runtime)
+    if isinstance(topology, str):  # a topology that is up: the overrides are set live on every link
+        tb = testbeds.attach(topology)
         try:
-            log(cluster.describe(topo.name))
-            return train_on(ClusterTestbed(topo.name), cfg, out, log=log)
+            settings = {k: v for k, v in overrides.items() if v is not None}
+            if settings:
+                for link in tb.topo.links:
+                    tb.set_link(link.name, **settings)
+            return train_on(tb, cfg, out, log=log)
         finally:
-            errors = cluster.down(topo.name, log=lambda _m: None)
-            if errors:
-                log(f"warning: could not remove {topo.name} everywhere: {'; '.join(errors)}")
-    tb = Testbed(topo, runtime=runtime, results_dir=out)
-    with tb:
-        summary = train_on(tb, cfg, out, log=log)
-    return summary
+            tb.close()
+    topo = topology.with_overrides(name=name, runtime=runtime, **overrides)
+    # up for the run (across the machines of the inventory `machines`, if given), then down
+    with testbeds.create(topo, machines, runtime=runtime, results_dir=out, log=log) as tb:
+        return train_on(tb, cfg, out, log=log)
 
 
 def outcome_word(s: dict) -> str:

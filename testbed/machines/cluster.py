@@ -8,6 +8,9 @@ its hosts, and keeps its own state, so it can be cleaned from there too (`testbe
 
 The controller's state records every machine *before* it is contacted, so `testbed down NAME` or `down --all`
 on the controller reaches them all after the controller was killed at any point.
+
+`ClusterTestbed` is the testbed interface (testbed/base.py) for such a topology: callers get it from
+testbed/testbeds.py and hold it as they hold a local Testbed.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
+from testbed.base import BaseTestbed, Workers, quiet
 from testbed.machines.placement import VXLAN_PORT, MachineView, engine_node, parts, place
 from testbed.state import State, TopologyNotFound, claim, running_names, state_dir
 from testbed.topology.topo import Topology
@@ -283,31 +288,89 @@ def quote(argv: list[str]) -> str:
     return shlex.join(argv)
 
 
-# -- training across machines ----------------------------------------------------------------------------------
+# -- one machine's part (what `testbed part-up` and `part-link` run there, for the controller) ------------------
 
 
-class ClusterTestbed:
-    """What training needs of a topology that spans machines (testbed/experiments/training.py uses it in place
-    of a Testbed): the topology, management addresses, engine counters gathered from every machine, and workers
-    started on their hosts' machines, whose run-directory files are mirrored here as they are written."""
+def part_up(spec_path: str) -> str:
+    """Build this machine's part of a cross-machine topology from the controller's spec file."""
+    from testbed.net import Testbed
 
-    def __init__(self, name: str):
+    spec = json.loads(Path(spec_path).read_text())
+    topo = Topology.from_dict(spec["topology"], file=spec.get("file"))
+    part = {k: spec[k] for k in ("machine", "nodes", "tunnels", "mgmt", "placement")}
+    Testbed(topo, runtime=spec.get("runtime"), part=part).up()
+    return f"up: {topo.name} part {spec['machine']} ({', '.join(spec['nodes'])})"
+
+
+def part_link(name: str, op: str, link_name: str, payload: dict) -> None:
+    """An engine operation on this machine's part of a link (ClusterTestbed._part_link): set (settings, with
+    `direction`), detach, attach, restore (saved settings per "link/direction")."""
+    from testbed.net import Testbed
+
+    tb = Testbed.attach(name)
+    if op == "set":
+        payload = dict(payload)
+        tb.set_link(link_name, payload.pop("direction", None), **payload)
+    elif op in ("detach", "attach"):
+        from testbed.engine.manager import attach_engine, detach_engine  # MERGE
+
+        for h in tb.engine_handles([link_name]).values():
+            if h.rule:
+                (detach_engine if op == "detach" else attach_engine)(h)
+    elif op == "restore":
+        failed: list[str] = []
+        tb.restore_links([link_name], payload, failed.append)
+        if failed:
+            raise RuntimeError("; ".join(failed))
+    else:
+        raise ValueError(f"part-link: unknown operation {op!r}")
+
+
+# -- the testbed interface across machines ----------------------------------------------------------------------
+
+
+class ClusterTestbed(BaseTestbed):
+    """A topology across the machines of an inventory: `up` places it and has every machine build its part,
+    `down` removes every part; the rest reaches the hosts and engines on their machines over one kept SSH
+    connection per machine. Workers started on their hosts' machines have their run-directory files mirrored
+    here as they are written. `log` gets the placement after `up` and warnings of a `down` left incomplete."""
+
+    def __init__(self, topo: Topology, inventory=None, runtime: str | None = None, vxlan_port: int = VXLAN_PORT,
+                 log: Callable[[str], None] = quiet):
+        self.topo, self.inventory, self.vxlan_port, self.log = topo, inventory, vxlan_port, log
+        self.runtime_name = runtime or topo.runtime
+        self.runtime = _RemoteRuntime()
+        self.record: dict | None = None
+        self._remotes: dict = {}  # machine -> Remote, opened on first use, closed by close()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def attach(cls, name: str) -> "ClusterTestbed":
+        """The testbed of a cross-machine topology that is up (from the controller's state)."""
         record = cluster_of(name)
         if record is None:
             raise TopologyNotFound(f"no cross-machine topology named {name!r} is up here")
         data = State.load(name).data
-        self.name, self.record = name, record
-        self.topo = Topology.from_dict(data["topology"], file=data.get("file"))
-        self.runtime_name = data.get("runtime") or self.topo.runtime
-        self.runtime = _RemoteRuntime()
-        self._remotes: dict = {}  # machine -> Remote, opened on first use, closed by close()
-        self._lock = threading.Lock()
+        tb = cls(Topology.from_dict(data["topology"], file=data.get("file")), runtime=data.get("runtime"))
+        tb.record = record
+        return tb
 
-    def __enter__(self) -> "ClusterTestbed":
+    def up(self) -> "ClusterTestbed":
+        if self.inventory is None:
+            raise ValueError(f"topology {self.name}: bringing it up across machines needs an inventory")
+        self.record = up(self.topo, self.inventory, runtime=self.runtime_name, vxlan_port=self.vxlan_port,
+                         log=self.log)
+        self.log(self.describe())
         return self
 
-    def __exit__(self, *exc) -> None:
+    def down(self) -> dict:
         self.close()
+        errors = down(self.name, log=quiet) if cluster_of(self.name) is not None else []
+        if errors:
+            self.log(f"warning: could not remove {self.name} everywhere: {'; '.join(errors)} "
+                     f"(run `testbed down {self.name}`)")
+        self.record = None
+        return {"errors": errors}
 
     def close(self) -> None:
         with self._lock:
@@ -318,6 +381,16 @@ class ClusterTestbed:
     @property
     def is_up(self) -> bool:
         return cluster_of(self.name) is not None
+
+    def status(self) -> dict:
+        return status(self.name)
+
+    def describe(self) -> str:
+        return describe(self.name)
+
+    def describe_ranks(self, hosts: list[str]) -> str:
+        return (f"{self.name} across machines: {len(hosts)} ranks on "
+                + ", ".join(f"{h}@{self.machine_of(h)}" for h in hosts))
 
     def remote(self, machine: str):
         """The connection to `machine`, kept open until close() (one per machine for the whole command)."""
@@ -332,7 +405,13 @@ class ClusterTestbed:
     def _on(self, machine: str, args: list[str], **kw):
         return self.remote(machine).testbed(args, **kw)
 
-    # -- what the benchmarks need of a Testbed (testbed/bench/commands.py), across machines ------------------
+    def machine_of(self, node: str) -> str:
+        try:
+            return self.record["placement"][node]
+        except KeyError:
+            raise KeyError(f"topology {self.name!r} has no node {node!r}") from None
+
+    # -- running things in hosts, on their machines -----------------------------------------------------------
 
     def _host_argv(self, node: str, argv: list[str], env: dict | None) -> tuple:
         """The command line that runs argv in `node` on its machine (argv[0] == runtime.python: that
@@ -363,17 +442,43 @@ class ClusterTestbed:
         r, cmd = self._host_argv(node, argv, env)
         return RemotePopen(r.start(cmd), getattr(stdout, "name", None))
 
+    def exec_interactive(self, node: str, argv: list[str]) -> int:
+        import sys
+
+        r = self._on(self.machine_of(node), ["exec", "--topo", self.name, node, "--", *argv], check=False)
+        sys.stdout.write(r.stdout)
+        sys.stderr.write(r.stderr)
+        return r.returncode
+
+    def read_json_line(self, proc, key: str, timeout: float = 30) -> dict:
+        return proc.read_json_line(key, timeout)
+
     def read_file(self, node: str, path: str) -> str:
         """A file that a process in `node` wrote (on its machine)."""
         return self.remote(self.machine_of(node)).get_text(path)
 
-    def make_dir(self, nodes: list[str], path: str) -> None:
-        for m in sorted({self.machine_of(n) for n in nodes}):
-            self.remote(m).makedirs(path)
+    @contextmanager
+    def host_dir(self, hosts: list[str], local_dir: Path) -> Iterator[Path]:
+        import uuid
 
-    def remove_dir(self, nodes: list[str], path: str) -> None:
-        for m in sorted({self.machine_of(n) for n in nodes}):
-            self.remote(m).run(["rm", "-rf", path], check=False, timeout=60)
+        path = f"/tmp/testbed-bench-{uuid.uuid4().hex[:12]}"
+        machines = sorted({self.machine_of(n) for n in hosts})
+        try:
+            for m in machines:
+                self.remote(m).makedirs(path)
+            yield Path(path)
+        finally:
+            for m in machines:
+                self.remote(m).run(["rm", "-rf", path], check=False, timeout=60)
+
+    def workers(self, out: Path, hosts: list[str], passed: tuple[str, ...]) -> "RemoteWorkers":
+        return RemoteWorkers(self, out, hosts, passed)
+
+    # -- the links' engines, on the machines that run them ----------------------------------------------------
+
+    def stats(self, links=None) -> list[dict]:
+        wanted = None if links is None else {self.topo.link(n).name for n in links}
+        return [s for s in stats(self.name, self) if wanted is None or s["link"] in wanted]
 
     def _engine_machines(self, link_name: str) -> list[str]:
         l = self.topo.link(link_name)
@@ -387,11 +492,13 @@ class ClusterTestbed:
             raise RuntimeError(f"{op} on link {link_name}: " + "; ".join(str(e) for e in errors))
 
     def set_link(self, link_name: str, direction: str | None = None, **settings) -> list[str]:
-        """As Testbed.set_link (both directions), on the machines that run the link's engines."""
-        if direction is not None:
-            raise ValueError("across machines, benchmarks change both directions of a link")
-        self._part_link("set", link_name, settings)
-        return [f"{link_name}/{d}" for d, *_ in self.topo.link(link_name).directions()]
+        """As Testbed.set_link, on the machines that run the link's engines (each changes its own)."""
+        from testbed.net import normalize_direction  # MERGE
+
+        l = self.topo.link(link_name)
+        names = [d for d, *_ in l.directions()] if direction is None else [normalize_direction(l, direction)]
+        self._part_link("set", l.name, {**settings, "direction": direction})
+        return [f"{l.name}/{d}" for d in names]
 
     @contextmanager
     def detached(self, link_name: str):
@@ -402,50 +509,15 @@ class ClusterTestbed:
         finally:
             self._part_link("attach", link_name)
 
-    @contextmanager
-    def links_restored(self, links=None, warn=None):
-        """As Testbed.links_restored: the engines of `links` get their settings back on leaving, and engines
-        started inside are stopped (each machine restores its own)."""
-        from testbed.net import RESTORED_SETTINGS
-
-        links = [l.name for l in self.topo.links] if links is None else [self.topo.link(n).name for n in links]
-        saved = {k: {f: s.get(f) for f in RESTORED_SETTINGS} for k, s in self.counters(links).items()}
-        try:
-            yield self
-        finally:
-            for name in links:
-                try:
-                    self._part_link("restore", name, {k: v for k, v in saved.items() if k.split("/")[0] == name})
-                except Exception as e:
-                    if warn is None:
-                        raise
-                    warn(f"could not restore the engines of {name}: {e}")
-
-    def mgmt_address(self, node: str) -> str:
-        return str(self.topo.plan.mgmt[node].ip)
-
-    def machine_of(self, node: str) -> str:
-        return self.record["placement"][node]
-
-    def counters(self, links=None) -> dict[str, dict]:
-        wanted = None if links is None else set(links)
-        return {f"{s['link']}/{s['direction']}": s for s in stats(self.name, self)
-                if wanted is None or s["link"] in wanted}
-
-    def counters_since(self, before: dict, links=None, fields=None) -> dict[str, dict]:
-        from testbed.net import COUNTER_FIELDS, counter_delta
-
-        after = self.counters(links)
-        out = counter_delta(before, after, fields or COUNTER_FIELDS)
-        for key, d in out.items():
-            d["machine"] = after[key].get("machine")  # which machine ran that engine
-        return out
-
-    def workers(self, run_dir, hosts: list[str], passed: tuple[str, ...]) -> "RemoteWorkers":
-        return RemoteWorkers(self, run_dir, hosts, passed)
+    def restore_links(self, links: list[str], saved: dict[str, dict], report: Callable[[str], None]) -> None:
+        for name in links:  # each machine restores its own
+            try:
+                self._part_link("restore", name, {k: v for k, v in saved.items() if k.split("/")[0] == name})
+            except Exception as e:
+                report(f"could not restore the engines of {name}: {e}")
 
 
-class RemoteWorkers:
+class RemoteWorkers(Workers):
     """Training workers on other machines: `spawn` for launch.run_workers, and the mirror of their run
     directories into the controller's (the launcher watches those files). Use as a context manager."""
 
@@ -458,6 +530,7 @@ class RemoteWorkers:
         from testbed.machines.remote import Remote
 
         self.tb, self.run_dir, self.hosts, self.passed = tb, Path(run_dir), hosts, passed
+        self.facts = {"machines": {h: tb.machine_of(h) for h in hosts}}  # where every host ran
         self.remote_dir = f"/tmp/testbed-run-{uuid.uuid4().hex[:12]}"
         machines = _machines_of(tb.record)
         used = sorted({tb.machine_of(h) for h in hosts})
@@ -619,7 +692,7 @@ class RemotePopen:
         """The first JSON line of its output with `key` (polled); RuntimeError if it ended without one."""
         deadline = time.monotonic() + timeout
         while True:
-            from testbed.bench.probe import json_with
+            from testbed.procs import json_with
 
             for line in self._output().splitlines():
                 obj = json_with(line, key)

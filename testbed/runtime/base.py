@@ -73,6 +73,11 @@ class Runtime(ABC):
         """A directory that the hosts see at the same path as this machine (None: the whole file system)."""
         return None
 
+    def run_facts(self, host: Host) -> dict:
+        """What a training summary records of the hosts this runtime made (the docker runtime: the image and
+        its digest); {} by default."""
+        return {}
+
     def set_hosts_file(self, host: Host, text: str) -> None:
         """Give the host an /etc/hosts naming every host of its topology, and an /etc/resolv.conf without a
         reachable DNS server (RESOLV_CONF), so that name lookups never wait (optional per runtime)."""

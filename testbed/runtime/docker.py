@@ -105,7 +105,7 @@ def client(timeout: float = 120):
             c = _connect(url, timeout)
             c.ping()
         except docker.errors.DockerException as e:
-            tried.append(f"{url} ({_short(e)})")
+            tried.append(f"{url} ({short_error(e)})")
             continue
         _engine_cache[key] = url
         return c
@@ -129,7 +129,7 @@ def engine_url() -> str:
     return _engine_cache.get(os.environ.get("DOCKER_HOST", ""), cands[0])
 
 
-def _short(e: Exception) -> str:
+def short_error(e: Exception) -> str:
     s = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return s[:200]
 
@@ -146,6 +146,17 @@ class DockerRuntime(Runtime):
     name = "docker"
     leftover_key = "containers"
     python = "python3"  # the worker image's
+
+    def run_facts(self, host: Host) -> dict:
+        """The image and its content digest (its image id: runtime/image.py's image_digest), None if gone."""
+        import docker
+
+        image = host.extra.get("image") or worker_tag()
+        try:
+            digest = client().images.get(image).id
+        except docker.errors.ImageNotFound:
+            digest = None
+        return {"image": host.extra.get("image"), "image_digest": digest}
 
     def host_alive(self, host: Host) -> bool:
         import docker
@@ -181,7 +192,7 @@ class DockerRuntime(Runtime):
             raise RuntimeUnavailable("nsenter is missing: apt-get install util-linux")
         c = self.client  # raises RuntimeUnavailable when no engine answers
         tag = worker_tag()
-        if not _image_present(c, tag):
+        if not image_present(c, tag):
             raise RuntimeUnavailable(
                 f"the worker image {tag} is missing from the Docker engine at {engine_url()}: build it with "
                 f"`testbed image build` (once: ~3 min on a machine without a registry; cached afterwards)")
@@ -194,7 +205,7 @@ class DockerRuntime(Runtime):
         c = self.client
         name = container_name(topology, node.name)
         image = node.image or worker_tag()
-        if not _image_present(c, image):
+        if not image_present(c, image):
             hint = "build it with `testbed image build`" if image == worker_tag() else \
                 "pull or build it first (it needs python3 for the testbed's workloads)"
             raise RuntimeUnavailable(f"node {node.name}: image {image} is not in the Docker engine: {hint}")
@@ -401,7 +412,7 @@ def _label_filter(topology: str | None) -> str:
     return f"{LABEL_TOPOLOGY}={topology}" if topology else LABEL_TOPOLOGY
 
 
-def _image_present(c, ref: str) -> bool:
+def image_present(c, ref: str) -> bool:
     import docker
     try:
         c.images.get(ref)
@@ -485,9 +496,9 @@ def engine_status() -> tuple[bool, str]:
         info = c.info()
         what += f", cgroup v{info.get('CgroupVersion', '?')}, {info.get('Driver')}"
     except Exception as e:
-        return False, f"engine at {engine_url()} answers ping but not version/info: {_short(e)}"
+        return False, f"engine at {engine_url()} answers ping but not version/info: {short_error(e)}"
     tag = worker_tag()
-    if _image_present(c, tag):
+    if image_present(c, tag):
         img = c.images.get(tag)
         return True, f"{what}; worker image {tag} {img.id[:19]} (testbed {img.labels.get('testbed.version', '?')})"
     return True, f"{what}; worker image {tag} missing: `testbed image build` (docker runtime refuses to start)"

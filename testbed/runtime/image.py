@@ -188,12 +188,12 @@ def resolve_base(c, base: str = "auto", *, rebuild_base: bool = False, log=_log_
     debootstrap base, else a pull from the registry, else a new debootstrap base."""
     if base not in ("auto", "registry", "debootstrap"):
         raise ValueError(f"--base must be auto, registry or debootstrap, not {base!r}")
-    if base == "registry" or (base == "auto" and drt._image_present(c, BASE_REGISTRY)):
-        if not drt._image_present(c, BASE_REGISTRY):
+    if base == "registry" or (base == "auto" and drt.image_present(c, BASE_REGISTRY)):
+        if not drt.image_present(c, BASE_REGISTRY):
             _pull(c, BASE_REGISTRY, log)
         return BASE_REGISTRY, "registry"
-    if base == "debootstrap" or drt._image_present(c, BASE_DEBOOTSTRAP):
-        if rebuild_base or not drt._image_present(c, BASE_DEBOOTSTRAP):
+    if base == "debootstrap" or drt.image_present(c, BASE_DEBOOTSTRAP):
+        if rebuild_base or not drt.image_present(c, BASE_DEBOOTSTRAP):
             build_debootstrap_base(c, log=log)
         return BASE_DEBOOTSTRAP, "debootstrap"
     try:
@@ -213,7 +213,7 @@ def _pull(c, ref: str, log) -> None:
     try:
         drt.client(timeout=120).images.pull(repo, tag=tag or "latest")
     except docker.errors.DockerException as e:
-        why = getattr(e, "explanation", None) or drt._short(e)
+        why = getattr(e, "explanation", None) or drt.short_error(e)
         raise ImageBuildError(f"cannot pull {ref}: {why}") from None
 
 
@@ -338,7 +338,7 @@ def build_deps(c, root: Path, base_ref: str, base_id: str, pins: list[str], whee
     dockerfile = root / "containers" / "worker" / "deps.Dockerfile"
     key = hashlib.sha256(b"\0".join([base_id.encode(), dockerfile.read_bytes(), "\n".join(pins).encode()]))
     tag = f"{DEPS_REPO}:{key.hexdigest()[:16]}"
-    if drt._image_present(c, tag) and not no_cache:
+    if drt.image_present(c, tag) and not no_cache:
         log(f"dependency image {tag} is cached")
         return tag
     log(f"building the dependency image {tag} on {base_ref} ({len(pins)} packages; a few minutes)")

@@ -1,4 +1,4 @@
-"""`testbed image build|info`: the docker runtime's worker image (registered by testbed.cli._extensions)."""
+"""`testbed image build|info`: the docker runtime's worker image (registered by testbed.cli.build_parser)."""
 
 from __future__ import annotations
 
