@@ -28,6 +28,8 @@ from scipy.optimize import brentq
 from scipy.special import bdtrc, ndtri
 
 from testbed.train.model import GPT2_124M_PARAMS, PRESETS
+from testbed.train.settings import default_of
+from testbed.vocab import FLOAT_FORMATS, GUARDS
 
 # ---------------------------------------------------------------------------------------------------------------
 # Models
@@ -450,10 +452,9 @@ def catastrophic_threshold_ber(error_bits_per_step: float, p_catastrophic_per_fl
 # 4. Recipes: lost steps, sanitized and frozen values, bounded noise (per wire dtype, protection and guard)
 # ---------------------------------------------------------------------------------------------------------------
 
-WIRE_FORMATS = {"fp32": (8, 23), "bf16": (8, 7), "fp16": (5, 10)}  # exponent bits, mantissa bits; sign on top
+WIRE_FORMATS = FLOAT_FORMATS  # exponent bits, mantissa bits; sign on top
 NORM_OVERFLOW = math.sqrt(FP32_MAX)  # 1.8e19: one value above it makes the fp32 sum of squares (the norm) Inf
 FROZEN_EXP_AVG_SQ = 1e6  # testbed/train/recipe.py: an Adam element whose second moment exceeds this is frozen
-GUARDS = ("skip", "stop", "none", "sanitize")
 
 
 def wire_bits(dtype: str) -> int:
@@ -618,10 +619,13 @@ class RecipePrediction:
 
 
 def predict_recipe(ber, mode: str, n_ranks: int, *, n_params: int | str | None = None, batch_size: int | None = None,
-                   seq_len: int | None = None, width: int | None = None, wire_dtype: str = "fp32", protect=None,
-                   protected_ber: float = 0.0, guard: str = "skip", clip: str = "norm", grad_clip: float = 1.0,
-                   optimizer: str = "adamw", sanitize_threshold: float = 1e3, steps: int = 100, lr: float = 1e-3,
-                   betas=(0.9, 0.95), gradient_values=None, activation_values=None) -> RecipePrediction:
+                   seq_len: int | None = None, width: int | None = None, wire_dtype: str = default_of("wire_dtype"),
+                   protect=None, protected_ber: float = 0.0, guard: str = default_of("guard"),
+                   clip: str = default_of("clip"), grad_clip: float = default_of("grad_clip"),
+                   optimizer: str = default_of("optimizer"),
+                   sanitize_threshold: float = default_of("sanitize_threshold"), steps: int = 100,
+                   lr: float = default_of("lr"), betas=default_of("betas"), gradient_values=None,
+                   activation_values=None) -> RecipePrediction:
     """RecipePrediction for a scalar BER (docs/theory.md, section 4). Value samples: gradients log-normal, half a
     decade wide, with median 0.5/sqrt(n) (DDP; 1e-3 for tiny, which measured a median of 1.2e-3 and a maximum 275
     times that over its 236,928 elements at initialisation) or 1e-3 (PP activation gradients); activations
