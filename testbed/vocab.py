@@ -22,7 +22,7 @@ ENGINE_CHOICES = ENGINES + ("auto",)
 FLOAT_FORMATS = {"fp32": (8, 23), "bf16": (8, 7), "fp16": (5, 10)}
 ELEMENT_TYPES = tuple(FLOAT_FORMATS)  # a link's element (scope tensor): the type of the values it corrupts
 WIRE_DTYPES = ELEMENT_TYPES  # training's wire_dtype: the type DDP's buckets and PP's activations cross the link in
-TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch.<name>
+TORCH_DTYPE_NAMES = dict(zip(ELEMENT_TYPES, ("float32", "bfloat16", "float16")))  # torch.<name> of each
 PROTECT_FIELDS = ("sign", "exponent", "mantissa")  # the fields protect may name; index = protect's field code
 
 # Training: the parallelism modes, and what a step whose loss or gradient norm is not finite does.

@@ -322,14 +322,14 @@ def typical_activation_values(n: int = 4096, std: float = 1.0):
 # 3. Weight noise
 # ---------------------------------------------------------------------------------------------------------------
 
-def adam_step_cap(lr: float, betas=(0.9, 0.95)) -> float:
+def adam_step_cap(lr: float, betas=default_of("betas")) -> float:
     """Largest single Adam step of an element whose gradient suddenly dominates: lr (1-b1) / sqrt(1-b2)
     (bias correction ignored: late in training)."""
     b1, b2 = betas
     return lr * (1 - b1) / math.sqrt(1 - b2)
 
 
-def adam_hit_displacement(lr: float, betas=(0.9, 0.95)) -> float:
+def adam_hit_displacement(lr: float, betas=default_of("betas")) -> float:
     """Total displacement of that element over the following steps: the capped step decays as (b1/sqrt(b2))^t
     (m decays by b1, sqrt(v) by sqrt(b2)), so the sum is cap / (1 - b1/sqrt(b2)). 5.8 lr for (0.9, 0.95)."""
     b1, b2 = betas
@@ -354,9 +354,10 @@ class WeightNoise:
     frozen_sq: float      # a frozen element adds this much E||delta_w||^2 per later step (summed over elements)
 
 
-def weight_noise_per_step(ber, n_params: str | int, lr: float, optimizer: str = "adamw", *,
-                          grad_clip: float = 1.0, n_ranks: int = 4, error_bits_per_step: float | None = None,
-                          values=None, grad_norm: float = 1.0, betas=(0.9, 0.95), adam_update_rms: float = 0.5,
+def weight_noise_per_step(ber, n_params: str | int, lr: float, optimizer: str = default_of("optimizer"), *,
+                          grad_clip: float = default_of("grad_clip"), n_ranks: int = 4,
+                          error_bits_per_step: float | None = None, values=None, grad_norm: float = 1.0,
+                          betas=default_of("betas"), adam_update_rms: float = 0.5,
                           horizon_steps: int | None = None, max_weight_jump: float = 1.0, huge: float = 1e30,
                           dtype_bits: int = 32) -> WeightNoise:
     """First-order estimate of the weight noise that wire errors in the gradient add per step (one rank).
@@ -424,7 +425,7 @@ def weight_noise_per_step(ber, n_params: str | int, lr: float, optimizer: str = 
     )
 
 
-def weight_deviation_estimate(ber, n_params: str | int, steps: int, lr: float, optimizer: str = "adamw",
+def weight_deviation_estimate(ber, n_params: str | int, steps: int, lr: float, optimizer: str = default_of("optimizer"),
                               **kwargs) -> float:
     """Expected L2 distance ||w_K - w_K(clean)|| after K = `steps` steps (one rank, weights units).
 
