@@ -138,3 +138,9 @@ def test_only_command_layers_import_the_cli():
 def test_clean_imports_nothing_from_net():
     """Teardown works from the state file alone (Mininet's `mn -c`): clean never needs the orchestration."""
     assert "testbed.net" not in import_graph()["testbed.clean"]
+
+
+def test_vocabulary_is_at_the_bottom():
+    """testbed/vocab.py (the scopes, checksum modes, engines, ... every layer imports) imports nothing of the
+    package, so any module may import it without a cycle."""
+    assert import_graph()["testbed.vocab"] == {}

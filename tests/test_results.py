@@ -31,6 +31,19 @@ def test_schema_is_consistent():
     assert all(f"| `{n}` |" in table for n in names)
 
 
+def test_docs_table_is_the_schema():
+    """docs/experiments.md's table of results fields is markdown_table(), row for row: a field added to (or
+    changed in) FIELDS fails here until the doc is regenerated."""
+    doc = (ROOT / "docs" / "experiments.md").read_text().splitlines()
+    start = doc.index("| field | type | error row | meaning |")
+    end = next((i for i in range(start, len(doc)) if not doc[i].startswith("|")), len(doc))
+    documented, table = doc[start:end], results.markdown_table().splitlines()
+    assert documented == table, (
+        f"docs/experiments.md lists {len(documented) - 2} results fields, the schema has {len(table) - 2}; "
+        f"missing or stale in the doc: {sorted(set(table) ^ set(documented))}. Replace the table with the output "
+        "of `python -m testbed.analysis.results`")
+
+
 def test_new_row_refuses_missing_and_unknown_fields():
     full = dict.fromkeys(results.ROW_FIELDS)
     assert list(results.new_row(**full)) == list(results.ROW_FIELDS)

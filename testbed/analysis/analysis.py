@@ -31,7 +31,9 @@ from collections import Counter
 import numpy as np
 from scipy import stats
 
-from testbed.train.model import PRESETS
+from testbed.train.model import PRESETS, seq_len_of
+from testbed.train.settings import default_of
+from testbed.vocab import CHECKSUM_MODES
 from testbed.analysis import theory
 from testbed.analysis.formatting import fmt_loss, status_text
 from testbed.analysis.results import (SETUP_FIELDS, STATUSES, ber_of, config_key, config_of, config_sort_key, configs, finite,
@@ -119,7 +121,8 @@ def theory_deviation(bers, setup: dict) -> np.ndarray | None:
     clip = setup.get("grad_clip")
     n_ranks = max(int(setup.get("world_size") or 2), 2)
     est = theory.weight_deviation_estimate(np.asarray(bers, dtype=float), int(n_params), int(steps), float(lr),
-                                           "adamw", grad_clip=1.0 if clip is None else float(clip), n_ranks=n_ranks)
+                                           default_of("optimizer"), n_ranks=n_ranks,
+                                           grad_clip=default_of("grad_clip") if clip is None else float(clip))
     return np.atleast_1d(np.asarray(est, dtype=float))
 
 
@@ -132,23 +135,24 @@ def predict_point(point: dict, train: dict | None = None, ber: float | None = No
     if model not in PRESETS or not world or int(world) < 2:
         return None
     preset = PRESETS[model]
-    seq = int(get("seq_len") or preset.n_positions)
-    batch = int(get("batch_size") or 8)
+    seq = int(seq_len_of(model, get("seq_len")))
+    batch = int(get("batch_size") or default_of("batch_size"))
     if point.get("mode") == "ddp":
         shape = {"n_params": int(get("n_params") or theory.param_count(model))}
     elif point.get("mode") == "pp":
         shape = {"batch_size": batch, "seq_len": seq, "width": preset.n_embd}
     else:
         return None
-    clip, grad_clip = point.get("clip") or "norm", get("grad_clip")
+    clip, grad_clip = point.get("clip") or default_of("clip"), get("grad_clip")
     try:
         return theory.predict_recipe(
             point["ber"] if ber is None else ber, point["mode"], int(world), **shape,
-            wire_dtype=point.get("wire_dtype") or "fp32", protect=point.get("protect"),
-            protected_ber=point.get("protected_ber") or 0.0, guard=point.get("guard") or "skip", clip=clip,
-            grad_clip=1.0 if grad_clip is None else float(grad_clip), optimizer=point.get("optimizer") or "adamw",
-            sanitize_threshold=point.get("sanitize_threshold") or 1e3, steps=int(get("steps") or 100),
-            lr=float(get("lr") or 1e-3))
+            wire_dtype=point.get("wire_dtype") or default_of("wire_dtype"), protect=point.get("protect"),
+            protected_ber=point.get("protected_ber") or 0.0, guard=point.get("guard") or default_of("guard"),
+            clip=clip, grad_clip=default_of("grad_clip") if grad_clip is None else float(grad_clip),
+            optimizer=point.get("optimizer") or default_of("optimizer"),
+            sanitize_threshold=point.get("sanitize_threshold") or default_of("sanitize_threshold"),
+            steps=int(get("steps") or 100), lr=float(get("lr") or default_of("lr")))
     except (ValueError, TypeError):
         return None
 
@@ -299,8 +303,9 @@ def theory_threshold(mode: str, checksum: str | None, setup: dict) -> tuple[floa
             return (theory.catastrophic_threshold_ber(bits, p),
                     f"1 catastrophic gradient value per step and rank ({max(world, 2)} ranks, {n:,} parameters)")
         if mode == "pp":
-            width, context = PRESETS[model].n_embd, PRESETS[model].n_positions
-            batch, seq = int(setup.get("batch_size") or 8), int(setup.get("seq_len") or context)
+            width = PRESETS[model].n_embd
+            batch = int(setup.get("batch_size") or default_of("batch_size"))
+            seq = int(seq_len_of(model, setup.get("seq_len")))
             bits = theory.pp_flips(0.0, max(world, 2), batch, seq, width, microbatches=1).bits_per_step
             p = theory.flip_statistics(theory.typical_activation_values()).p_catastrophic
             return (theory.catastrophic_threshold_ber(bits, p),
@@ -590,7 +595,7 @@ def retransmission_penalties(latency: dict | None) -> list[dict]:
     keep - fix and keep / fix at p50, p99 and the mean. BER 0 is the control (no errors, so ~ x1)."""
     by_ber: dict[float, dict] = {}
     for e in latency_entries(latency):
-        if e.get("engine") and e.get("checksum") in ("fix", "keep"):
+        if e.get("engine") and e.get("checksum") in CHECKSUM_MODES:
             by_ber.setdefault(finite(e.get("ber")) or 0.0, {})[e["checksum"]] = e
     out = []
     for ber, pair in sorted(by_ber.items()):

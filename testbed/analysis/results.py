@@ -16,6 +16,9 @@ import math
 import sys
 from dataclasses import dataclass
 
+from testbed.train.settings import default_of
+from testbed.vocab import DEFAULT_RECIPE, MODES
+
 STATUSES = ("ok", "diverged", "crashed", "hung", "invalid", "error")  # the report lists them in this order
 CONFIG_FIELDS = ("mode", "scope", "checksum", "recipe")  # a "config": the grid coordinates but BER and seed
 # the training setup, for the theory overlays (the first row of a mode that reports each one)
@@ -23,10 +26,10 @@ SETUP_FIELDS = ("model", "n_params", "steps", "lr", "grad_clip", "world_size", "
 # a recipe's settings, for the theory of each point (a row without them predates recipes: the defaults)
 RECIPE_FIELDS = ("tokens_per_step", "microbatches", "optimizer", "clip", "guard", "sanitize_threshold",
                  "wire_dtype", "element", "protect", "protected_ber")
-RECIPE_DEFAULTS = {"optimizer": "adamw", "clip": "norm", "guard": "skip", "sanitize_threshold": 1e3,
-                   "wire_dtype": "fp32", "element": None, "protect": None, "protected_ber": 0.0}
-MODE_ORDER = ("ddp", "pp")
-DEFAULT_RECIPE = "default"
+# (the training settings' defaults, and the link's: no element or protect set, no residual errors)
+RECIPE_DEFAULTS = {**{k: default_of(k) for k in ("optimizer", "clip", "guard", "sanitize_threshold", "wire_dtype")},
+                   "element": None, "protect": None, "protected_ber": 0.0}
+MODE_ORDER = MODES
 
 _JSON_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,),
                "dict": (dict,)}

@@ -28,6 +28,8 @@ from scipy.optimize import brentq
 from scipy.special import bdtrc, ndtri
 
 from testbed.train.model import GPT2_124M_PARAMS, PRESETS
+from testbed.train.settings import default_of
+from testbed.vocab import FLOAT_FORMATS, GUARDS
 
 # ---------------------------------------------------------------------------------------------------------------
 # Models
@@ -320,14 +322,14 @@ def typical_activation_values(n: int = 4096, std: float = 1.0):
 # 3. Weight noise
 # ---------------------------------------------------------------------------------------------------------------
 
-def adam_step_cap(lr: float, betas=(0.9, 0.95)) -> float:
+def adam_step_cap(lr: float, betas=default_of("betas")) -> float:
     """Largest single Adam step of an element whose gradient suddenly dominates: lr (1-b1) / sqrt(1-b2)
     (bias correction ignored: late in training)."""
     b1, b2 = betas
     return lr * (1 - b1) / math.sqrt(1 - b2)
 
 
-def adam_hit_displacement(lr: float, betas=(0.9, 0.95)) -> float:
+def adam_hit_displacement(lr: float, betas=default_of("betas")) -> float:
     """Total displacement of that element over the following steps: the capped step decays as (b1/sqrt(b2))^t
     (m decays by b1, sqrt(v) by sqrt(b2)), so the sum is cap / (1 - b1/sqrt(b2)). 5.8 lr for (0.9, 0.95)."""
     b1, b2 = betas
@@ -352,9 +354,10 @@ class WeightNoise:
     frozen_sq: float      # a frozen element adds this much E||delta_w||^2 per later step (summed over elements)
 
 
-def weight_noise_per_step(ber, n_params: str | int, lr: float, optimizer: str = "adamw", *,
-                          grad_clip: float = 1.0, n_ranks: int = 4, error_bits_per_step: float | None = None,
-                          values=None, grad_norm: float = 1.0, betas=(0.9, 0.95), adam_update_rms: float = 0.5,
+def weight_noise_per_step(ber, n_params: str | int, lr: float, optimizer: str = default_of("optimizer"), *,
+                          grad_clip: float = default_of("grad_clip"), n_ranks: int = 4,
+                          error_bits_per_step: float | None = None, values=None, grad_norm: float = 1.0,
+                          betas=default_of("betas"), adam_update_rms: float = 0.5,
                           horizon_steps: int | None = None, max_weight_jump: float = 1.0, huge: float = 1e30,
                           dtype_bits: int = 32) -> WeightNoise:
     """First-order estimate of the weight noise that wire errors in the gradient add per step (one rank).
@@ -422,7 +425,7 @@ def weight_noise_per_step(ber, n_params: str | int, lr: float, optimizer: str = 
     )
 
 
-def weight_deviation_estimate(ber, n_params: str | int, steps: int, lr: float, optimizer: str = "adamw",
+def weight_deviation_estimate(ber, n_params: str | int, steps: int, lr: float, optimizer: str = default_of("optimizer"),
                               **kwargs) -> float:
     """Expected L2 distance ||w_K - w_K(clean)|| after K = `steps` steps (one rank, weights units).
 
@@ -450,10 +453,9 @@ def catastrophic_threshold_ber(error_bits_per_step: float, p_catastrophic_per_fl
 # 4. Recipes: lost steps, sanitized and frozen values, bounded noise (per wire dtype, protection and guard)
 # ---------------------------------------------------------------------------------------------------------------
 
-WIRE_FORMATS = {"fp32": (8, 23), "bf16": (8, 7), "fp16": (5, 10)}  # exponent bits, mantissa bits; sign on top
+WIRE_FORMATS = FLOAT_FORMATS  # exponent bits, mantissa bits; sign on top
 NORM_OVERFLOW = math.sqrt(FP32_MAX)  # 1.8e19: one value above it makes the fp32 sum of squares (the norm) Inf
 FROZEN_EXP_AVG_SQ = 1e6  # testbed/train/recipe.py: an Adam element whose second moment exceeds this is frozen
-GUARDS = ("skip", "stop", "none", "sanitize")
 
 
 def wire_bits(dtype: str) -> int:
@@ -618,10 +620,13 @@ class RecipePrediction:
 
 
 def predict_recipe(ber, mode: str, n_ranks: int, *, n_params: int | str | None = None, batch_size: int | None = None,
-                   seq_len: int | None = None, width: int | None = None, wire_dtype: str = "fp32", protect=None,
-                   protected_ber: float = 0.0, guard: str = "skip", clip: str = "norm", grad_clip: float = 1.0,
-                   optimizer: str = "adamw", sanitize_threshold: float = 1e3, steps: int = 100, lr: float = 1e-3,
-                   betas=(0.9, 0.95), gradient_values=None, activation_values=None) -> RecipePrediction:
+                   seq_len: int | None = None, width: int | None = None, wire_dtype: str = default_of("wire_dtype"),
+                   protect=None, protected_ber: float = 0.0, guard: str = default_of("guard"),
+                   clip: str = default_of("clip"), grad_clip: float = default_of("grad_clip"),
+                   optimizer: str = default_of("optimizer"),
+                   sanitize_threshold: float = default_of("sanitize_threshold"), steps: int = 100,
+                   lr: float = default_of("lr"), betas=default_of("betas"), gradient_values=None,
+                   activation_values=None) -> RecipePrediction:
     """RecipePrediction for a scalar BER (docs/theory.md, section 4). Value samples: gradients log-normal, half a
     decade wide, with median 0.5/sqrt(n) (DDP; 1e-3 for tiny, which measured a median of 1.2e-3 and a maximum 275
     times that over its 236,928 elements at initialisation) or 1e-3 (PP activation gradients); activations

@@ -58,8 +58,9 @@ from testbed.net import counter_delta  # MERGE
 from testbed.runtime.base import RuntimeUnavailable, runtime_names
 from testbed.state import write_json_atomic
 from testbed.topology.topo import Link, Topology, TopologyError
+from testbed.vocab import CHECKSUM_MODES, ENGINE_CHOICES, LATENCY_BERS, SCOPES
 
-DEFAULT_BERS = (0.0, 1e-6, 1e-5)
+DEFAULT_BERS = LATENCY_BERS
 DEFAULT_SIZE = 16384
 DEFAULT_COUNT = 500
 DEFAULT_WARMUP = 20  # untimed round trips at the start of every connection
@@ -245,9 +246,14 @@ def latency_configurations(bers) -> list[dict]:
             {"label": "engine ber 0", "engine": True, "ber": 0.0, "checksum": "fix"},
             {"label": "engine ber 0 keep", "engine": True, "ber": 0.0, "checksum": "keep"}]
     for b in sorted({float(b) for b in bers if float(b) > 0}):
-        for cs in ("fix", "keep"):
+        for cs in CHECKSUM_MODES:
             cfgs.append({"label": f"ber {b:g} {cs}", "engine": True, "ber": b, "checksum": cs})
     return cfgs
+
+
+def _one_of(names) -> str:
+    """'a, b or c': the allowed values, for an error message."""
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _check_bers(bers) -> list[float]:
@@ -348,8 +354,8 @@ def measure_latency(tb_or_topology: "BaseTestbed | Topology | str", link: str | 
     log = log or _quiet
     bers = _check_bers(bers)
     if engine is not None:
-        if engine not in ("nfqueue", "bpf", "auto"):
-            raise BenchError(f"engine {engine!r}: nfqueue, bpf or auto")
+        if engine not in ENGINE_CHOICES:
+            raise BenchError(f"engine {engine!r}: {_one_of(ENGINE_CHOICES)}")
         if not isinstance(tb_or_topology, Topology):
             raise BenchError("engine applies to a topology file (a topology that is up keeps its engines)")
     if size < 1 or count < 1 or repeat < 1 or warmup < 0:
@@ -508,10 +514,10 @@ def measure_collective(tb_or_topology: "BaseTestbed | Topology | str", sizes=DEF
     sizes = parse_sizes(sizes)
     if ber is not None:
         ber = _check_bers([ber])[0]
-    if scope not in ("payload", "all", "tensor"):
-        raise BenchError(f"scope {scope!r}: payload, all or tensor")
-    if checksum not in (None, "fix", "keep"):
-        raise BenchError(f"checksum {checksum!r}: fix or keep")
+    if scope not in SCOPES:
+        raise BenchError(f"scope {scope!r}: {_one_of(SCOPES)}")
+    if checksum not in (None, *CHECKSUM_MODES):
+        raise BenchError(f"checksum {checksum!r}: {_one_of(CHECKSUM_MODES)}")
     if scope == "tensor" and collectives is None:
         collectives = list(COLLECTIVE_TENSOR_FILTER)
     if scope != "tensor":
@@ -745,7 +751,7 @@ def add_bench_commands(b: argparse.ArgumentParser) -> None:
     s.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="untimed round trips per connection")
     s.add_argument("--repeat", type=int, default=1, help="run the whole sequence this many times (pooled)")
     s.add_argument("--port", type=int, default=PINGPONG_PORT, help=f"server port (default {PINGPONG_PORT})")
-    s.add_argument("--engine", choices=["nfqueue", "bpf", "auto"],
+    s.add_argument("--engine", choices=ENGINE_CHOICES,
                    help="engine kind on the measured link, for a topology file (default: the file's, else nfqueue; "
                         "auto: bpf where it loads)")
     s.add_argument("--out", metavar="DIR", help="where latency.json goes (default results/bench/latency-NAME-TIME)")
@@ -764,9 +770,9 @@ def add_bench_commands(b: argparse.ArgumentParser) -> None:
     s.add_argument("--sizes", default=DEFAULT_COLLECTIVE_SIZES,
                    help="LOW..HIGH[:FACTOR] (x4 steps by default) or a comma list (default 1K..64M)")
     s.add_argument("--ber", type=_ber_arg, help="set every link's BER (both directions) first")
-    s.add_argument("--scope", choices=["payload", "all", "tensor"], default="tensor",
+    s.add_argument("--scope", choices=SCOPES, default="tensor",
                    help="with --ber (default tensor; payload/all corrupt gloo's headers and usually crash it)")
-    s.add_argument("--checksum", choices=["fix", "keep"], help="with --ber")
+    s.add_argument("--checksum", choices=CHECKSUM_MODES, help="with --ber")
     s.add_argument("--collectives", help="with --ber and scope tensor (default allreduce,p2p)")
     s.add_argument("--budget", type=float, default=0.5, help="seconds of timing per size and operation")
     s.add_argument("--timeout", type=float, default=60.0, help="gloo process-group timeout (s)")

@@ -11,16 +11,13 @@ from pathlib import Path
 from testbed.engine.gloo import collective_codes
 from testbed.engine.models import validate_error_model
 from testbed.engine.protect import ELEMENTS, normalize_protect, protected_positions
+from testbed.vocab import CHECKSUM_MODES, ENGINES, SCOPES
 
 __all__ = ["EngineSpec", "EngineError", "SCOPES", "CHECKSUM_MODES", "HOOKS", "SETTABLE", "ENGINES", "BPF_SCOPES",
            "BPF_MAX_PORTS"]
 
-SCOPES = ("payload", "all", "tensor")
-# Engine kinds: the NFQUEUE process (every scope) and the in-kernel tc program (docs/engine.md, "The bpf engine").
-ENGINES = ("nfqueue", "bpf")
 BPF_SCOPES = ("payload", "all")
 BPF_MAX_PORTS = 16
-CHECKSUM_MODES = ("fix", "keep")
 HOOKS = ("egress", "ingress")
 # Settings `{"cmd": "set", ...}` may change live.
 SETTABLE = ("ber", "error_model", "scope", "checksum", "seed", "collectives", "control_ports", "element", "protect",

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.vocab import FLOAT_FORMATS, PROTECT_FIELDS
+
 __all__ = ["ELEMENTS", "FIELDS", "BitLayout", "field_bits", "normalize_protect", "protected_positions",
            "residual_keep", "flow_salt"]
 
 # element -> (bytes, exponent bits, mantissa bits); the sign is the top bit.
-ELEMENTS = {"fp32": (4, 8, 23), "bf16": (2, 8, 7), "fp16": (2, 5, 10)}
-FIELDS = ("sign", "exponent", "mantissa")  # index = the field code in BitLayout.field
+ELEMENTS = {name: ((1 + exp + man) // 8, exp, man) for name, (exp, man) in FLOAT_FORMATS.items()}
+FIELDS = PROTECT_FIELDS  # index = the field code in BitLayout.field
 
 _M64 = (1 << 64) - 1
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 from testbed.train import settings
+from testbed.vocab import CHECKSUM_MODES, ELEMENT_TYPES, SCOPES
 
 
 def _ber(text: str) -> float:
@@ -116,11 +117,11 @@ def register(sub) -> None:
     s.add_argument("topology", metavar="TOPOLOGY")
     s.add_argument("--out", required=True, metavar="DIR", help="run directory (metrics.jsonl, summary.json)")
     s.add_argument("--ber", type=_ber, help="override every link's bit error rate (both directions)")
-    s.add_argument("--scope", choices=["payload", "all", "tensor"], help="override every link's scope")
-    s.add_argument("--checksum", choices=["fix", "keep"], help="override every link's checksum mode")
+    s.add_argument("--scope", choices=SCOPES, help="override every link's scope")
+    s.add_argument("--checksum", choices=CHECKSUM_MODES, help="override every link's checksum mode")
     s.add_argument("--protect", metavar="FIELDS", help="scope tensor: bits of each value every link protects, e.g. "
                    "sign,exponent (field names or bit positions, 0 = LSB); '' protects nothing")
-    s.add_argument("--element", choices=["fp32", "bf16", "fp16"], help="scope tensor: the values' type (default fp32)")
+    s.add_argument("--element", choices=ELEMENT_TYPES, help="scope tensor: the values' type (default fp32)")
     s.add_argument("--protected-ber", type=_ber, help="scope tensor: residual BER of protected bits (default 0, "
                    "at most --ber)")
     s.add_argument("--runtime", choices=["netns", "docker"])

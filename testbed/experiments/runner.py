@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from testbed.fileio import read_jsonl, write_atomic, write_json_atomic
-from testbed.train.model import PRESETS
+from testbed.train.model import seq_len_of
 from testbed.train.settings import TrainSettings, default_of
 from testbed.analysis.results import error_row, new_row
 from testbed.experiments.spec import Experiment, Point
@@ -193,7 +193,7 @@ def cfg_field(summary: dict, key: str):
     except KeyError:
         return None
     if key == "seq_len" and v is None:
-        v = PRESETS[summary.get("model") or default_of("model")].n_positions
+        v = seq_len_of(summary.get("model") or default_of("model"))
     if key == "microbatches" and v is None and summary.get("mode") == "pp":
         v = summary.get("world_size")
     return v

@@ -40,8 +40,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from testbed.topology import units
 from testbed.topology.topo import Topology, TopologyError
 from testbed.train import settings
-from testbed.train.model import PRESETS
+from testbed.train.model import PRESETS, seq_len_of
 from testbed.topology.yamlfile import read_yaml
+from testbed.vocab import (CHECKSUM_MODES, DEFAULT_RECIPE, ELEMENT_TYPES, ENGINE_CHOICES, LATENCY_BERS, MODES,
+                           PROTECT_FIELDS, SCOPES)
 
 Ber = Annotated[float, BeforeValidator(lambda x: units.parse_probability(x, upper=0.5))]
 
@@ -51,16 +53,15 @@ class _Strict(BaseModel):
 
 
 RECIPE_NAME = r"^[a-z0-9][a-z0-9_-]{0,15}$"
-DEFAULT_RECIPE = "default"
 
 
 class GridSpec(_Strict):
     recipe: list[Annotated[str, Field(pattern=RECIPE_NAME)]] = Field(
         default_factory=lambda: [DEFAULT_RECIPE], min_length=1)
-    mode: list[Literal["ddp", "pp"]] = Field(min_length=1)
+    mode: list[Literal[MODES]] = Field(min_length=1)
     ber: list[Ber] = Field(min_length=1)
-    scope: list[Literal["payload", "all", "tensor"]] = Field(default_factory=lambda: ["tensor"], min_length=1)
-    checksum: list[Literal["fix", "keep"]] = Field(default_factory=lambda: ["fix"], min_length=1)
+    scope: list[Literal[SCOPES]] = Field(default_factory=lambda: ["tensor"], min_length=1)
+    checksum: list[Literal[CHECKSUM_MODES]] = Field(default_factory=lambda: ["fix"], min_length=1)
     seed: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [1], min_length=1)
 
 
@@ -93,17 +94,17 @@ LATER_DEFAULTS = {"injector": "wire", "device": "cpu", "monitor": False, "on_det
 class LatencySpec(_Strict):
     topology: str
     link: str | None = None
-    bers: list[Ber] = Field(default_factory=lambda: [0.0, 1e-6, 1e-5])
+    bers: list[Ber] = Field(default_factory=lambda: list(LATENCY_BERS))
     size: int = Field(default=16384, ge=1)
     count: int = Field(default=500, ge=10)
-    engine: Literal["nfqueue", "bpf", "auto"] | None = None  # the measured link's engine (None: the file's)
+    engine: Literal[ENGINE_CHOICES] | None = None  # the measured link's engine (None: the file's)
 
 
 class LinkSpec(_Strict):
     """A recipe's link settings (engine, scope tensor), applied to every link of the point's topology like the
     BER. element defaults to the recipe's wire_dtype; a clean point (BER 0) gets no residual errors either."""
-    element: Literal["fp32", "bf16", "fp16"] | None = None
-    protect: list[Literal["sign", "exponent", "mantissa"] | Annotated[int, Field(ge=0, le=31)]] | None = None
+    element: Literal[ELEMENT_TYPES] | None = None
+    protect: list[Literal[PROTECT_FIELDS] | Annotated[int, Field(ge=0, le=31)]] | None = None
     protected_ber: Ber | None = None
 
 
@@ -130,7 +131,7 @@ class ExperimentFile(_Strict):
     steps: int = Field(ge=1)
     runtime: Literal["netns", "docker"] | None = None
     tokens_per_step: int | None = Field(default=None, ge=1, description="tokens per optimizer step, both modes")
-    topologies: dict[Literal["ddp", "pp"], str]
+    topologies: dict[Literal[MODES], str]
     recipes: dict[Annotated[str, Field(pattern=RECIPE_NAME)], RecipeSpec] = Field(default_factory=dict)
     grid: GridSpec
     train: TrainSpec = Field(default_factory=TrainSpec)
@@ -268,7 +269,7 @@ class Experiment:
                 problems.append((f"recipes.{name}.link", "element, protect and protected_ber need scope tensor "
                                                           f"(the grid also runs scope {', '.join(spec.grid.scope)})"))
             merged = {**spec.train.model_dump(), **self.recipe(name).train.model_dump(exclude_unset=True)}
-            element = link.element or merged.get("wire_dtype") or "fp32"
+            element = link.element or merged.get("wire_dtype") or settings.default_of("wire_dtype")
             width = 32 if element == "fp32" else 16
             for i, bit in enumerate(link.protect or []):
                 if isinstance(bit, int) and bit >= width:
@@ -341,7 +342,7 @@ class Experiment:
             t["collectives"] = None
         tokens = self.spec.tokens_per_step
         if tokens is not None:
-            seq = t["seq_len"] or PRESETS[self.spec.model].n_positions
+            seq = seq_len_of(self.spec.model, t["seq_len"])
             per = seq * (self.world_size(point.mode, t["hosts"], point.recipe) if point.mode == "ddp" else 1)
             if tokens % per:
                 what = "seq_len x ranks" if point.mode == "ddp" else "seq_len"
@@ -357,7 +358,7 @@ class Experiment:
     def tokens_per_step(self, point: Point) -> int:
         """Tokens per optimizer step: batch x seq_len, times the ranks for DDP (PP's batch is global)."""
         cfg = self.train_settings(point)
-        seq = cfg.seq_len or PRESETS[cfg.model].n_positions
+        seq = seq_len_of(cfg.model, cfg.seq_len)
         return cfg.batch_size * seq * (self.world_size(point.mode, cfg.hosts, point.recipe) if point.mode == "ddp"
                                        else 1)
 

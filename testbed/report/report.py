@@ -33,7 +33,7 @@ from testbed.analysis.analysis import (DEFAULT_N_STD, DEFAULT_TOLERANCE, LATENCY
 from testbed.analysis.formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text, mode_name,
                          status_text)
 from testbed.report.plots import latency_label
-from testbed.analysis.results import DEFAULT_RECIPE, FIELDS_BY_NAME, SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
+from testbed.analysis.results import DEFAULT_RECIPE, FIELDS_BY_NAME, MODE_ORDER, SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
 
 RESULTS_FILE, LATENCY_FILE, EXPERIMENT_FILE = "results.jsonl", "latency.json", "experiment.yaml"
 SUMMARY_FILE, REPORT_FILE = "summary.csv", "report.md"
@@ -246,7 +246,7 @@ def threshold_matrix(th: dict) -> str:
     rows: dict[tuple, dict] = {}
     for t in th.values():
         rows.setdefault((t["recipe"], t["scope"], t["checksum"]), {})[t["mode"]] = t
-    modes_present = [m for m in ("ddp", "pp") if any(m in v for v in rows.values())]
+    modes_present = [m for m in MODE_ORDER if any(m in v for v in rows.values())]
     several = len({k[1:] for k in rows}) > 1
     header = ["recipe"] + [f"{mode_name(m)} {what}" for m in modes_present
                            for what in ("measured", "theory", "tokens/step")]
@@ -657,7 +657,7 @@ def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]
         return out + ["- No results: results.jsonl is missing or empty, so there is nothing to report on training.",
                       ""]
     present = {r.get("mode") for r in rows}
-    out += [f"- No {mode_name(m)} points in this experiment." for m in ("ddp", "pp") if m not in present]
+    out += [f"- No {mode_name(m)} points in this experiment." for m in MODE_ORDER if m not in present]
     if not any(is_ok(r) for r in rows):
         out.append("- No run finished with status ok: every point crashed, hung, diverged or failed.")
     out += ["- " + threshold_sentence(t) for t in th.values()]

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from testbed.topology import units
+from testbed.vocab import CHECKSUM_MODES, ELEMENT_TYPES, ENGINE_CHOICES, PROTECT_FIELDS, SCOPES
 
 TOPOLOGY_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,23}$")
 DEFAULT_DATA_POOL = ipaddress.IPv4Network("10.0.0.0/16")
@@ -21,8 +22,6 @@ DEFAULT_MGMT_SUBNET = ipaddress.IPv4Network("10.255.0.0/16")
 DEFAULT_CONTROL_PORTS = (29500,)
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "barrier", "reduce", "reduce_scatter", "gather",
                "scatter", "alltoall", "p2p")
-ELEMENT_TYPES = ("fp32", "bf16", "fp16")
-PROTECTABLE_FIELDS = ("sign", "exponent", "mantissa")
 
 
 def _wrap(fn):
@@ -69,7 +68,7 @@ def _comma_list(value: Any) -> Any:
 
 # A protected bit: a field name or a value bit position (0 = LSB; the upper bound depends on the element and is
 # checked when the file is resolved).
-ProtectItem = Literal[PROTECTABLE_FIELDS] | Annotated[int, Field(ge=0, le=31)]  # type: ignore[valid-type]
+ProtectItem = Literal[PROTECT_FIELDS] | Annotated[int, Field(ge=0, le=31)]  # type: ignore[valid-type]
 
 
 class ImpairmentSpec(_Strict):
@@ -79,8 +78,8 @@ class ImpairmentSpec(_Strict):
     loss: Fraction = None
     ber: Ber = None
     error_model: Annotated[ErrorModelSpec | None, BeforeValidator(_error_model)] = None
-    scope: Literal["payload", "all", "tensor"] | None = None
-    checksum: Literal["fix", "keep"] | None = None
+    scope: Literal[SCOPES] | None = None  # type: ignore[valid-type]
+    checksum: Literal[CHECKSUM_MODES] | None = None  # type: ignore[valid-type]
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     collectives: list[Literal[COLLECTIVES]] | None = None  # type: ignore[valid-type]
     element: Literal[ELEMENT_TYPES] | None = None  # type: ignore[valid-type]
@@ -88,7 +87,7 @@ class ImpairmentSpec(_Strict):
     protected_ber: Ber = None
     # which corruption engine: the NFQUEUE process (default), the in-kernel tc program (scopes payload and all),
     # or auto (bpf for payload/all where it loads, nfqueue otherwise); docs/engine.md, "The bpf engine"
-    engine: Literal["bpf", "nfqueue", "auto"] | None = None
+    engine: Literal[ENGINE_CHOICES] | None = None  # type: ignore[valid-type]
 
 
 class OffloadSpec(_Strict):

@@ -33,9 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from testbed.engine import models, protect
+from testbed.vocab import TORCH_DTYPE_NAMES
 
 TAG = 0x1A9E  # mixed into every hop's seed: the process injector's streams are not an engine's
-_DTYPE_ELEMENT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_DTYPE_ELEMENT = {torch_name: name for name, torch_name in TORCH_DTYPE_NAMES.items()}
 
 
 def inject_path(run_dir, rank):

@@ -31,6 +31,11 @@ def preset(name):
     return PRESETS[name]
 
 
+def seq_len_of(model, seq_len=None):
+    """Tokens per sequence: seq_len, or the model's context when it is None (the seq_len setting's default)."""
+    return seq_len or PRESETS[model].n_positions
+
+
 def build_model(name, seed):
     """The whole GPT-2 (testbed/train/gpt.py), initialised from torch's RNG seeded with `seed` (same seed -> same
     bits)."""

@@ -9,7 +9,9 @@ import math
 
 import torch
 
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from testbed.vocab import TORCH_DTYPE_NAMES
+
+WIRE_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()}
 MIN_LR_FRACTION = 0.1  # cosine decays to this fraction of --lr at the last step
 # Adam: an element whose second moment exceeds this moves less than 1e-3 of lr per step for any gradient element
 # of magnitude <= 1 (the update is lr * m / sqrt(v), |m| <= max |g|; clipped and typical gradient elements are

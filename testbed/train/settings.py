@@ -26,6 +26,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import NamedTuple
 
 from testbed.train.model import PRESETS
+from testbed.vocab import GUARDS, MODES, WIRE_DTYPES
 
 # list: of strings; tuple: a fixed number of floats (tuple[float, float]); both comma-separated on a command line
 KINDS = (bool, int, float, str, list, tuple)
@@ -180,7 +181,7 @@ def from_args(args, cls=None):
 @dataclass(frozen=True)
 class TrainSettings:
     mode: str = setting(help="ddp: one replica per host, gradients allreduced over the data links; "
-                             "pp: one pipeline stage per host", choices=("ddp", "pp"), file=False)
+                             "pp: one pipeline stage per host", choices=MODES, file=False)
     steps: int = setting(help="training steps", ge=1, file=False)
     model: str = setting("tiny", "GPT-2 preset (testbed/train/model.py)", choices=PRESETS, file=False)
     seed: int = setting(0, "seed of the initial parameters and of the batches", ge=0, file=False)
@@ -206,12 +207,12 @@ class TrainSettings:
                                  "stop the run as diverged, none (apply it: Inf/NaN can reach the weights; diverged "
                                  "when the loss is no longer finite) or sanitize (zero received values that are "
                                  "not finite or exceed --sanitize-threshold, then skip as skip does)",
-                         choices=("skip", "stop", "none", "sanitize"))
+                         choices=GUARDS)
     sanitize_threshold: float = setting(1e3, "sanitize: received values of larger magnitude are zeroed; far above "
                                              "clean DDP gradients (< 1) and PP activations (< ~10 here), far below "
                                              "what a flip of the top exponent bits makes (x2^32 and more)", gt=0)
     wire_dtype: str = setting("fp32", "dtype on the data link: DDP's gradient allreduce, PP's activations and "
-                                      "gradients", choices=("fp32", "bf16", "fp16"))
+                                      "gradients", choices=WIRE_DTYPES)
     eval_every: int = setting(0, "evaluate every K steps and after the last; 0: never", ge=0)
     eval_batches: int = setting(4, "fixed validation batches per evaluation", ge=1)
     schedule: str = setting("gpipe", "pp: pipeline schedule", choices=("gpipe", "1f1b"))

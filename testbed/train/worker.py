@@ -30,7 +30,7 @@ from testbed.train import common, inject, settings
 from testbed.train.common import append_jsonl, write_atomic, write_json_atomic
 from testbed.train.data import prepare
 from testbed.train.fingerprint import Fingerprinter
-from testbed.train.model import PRESETS, build_model
+from testbed.train.model import PRESETS, build_model, seq_len_of
 
 SAVE_FINAL_MAX_PARAMS = 50_000_000  # save final parameters by default below this size (tiny, small)
 
@@ -203,7 +203,7 @@ class Worker:
         common.metrics_path(self.run_dir, self.rank).unlink(missing_ok=True)
         common.err_path(self.run_dir, self.rank).unlink(missing_ok=True)
         self.write_status("data")
-        a.seq_len = a.seq_len or PRESETS[a.model].n_positions
+        a.seq_len = seq_len_of(a.model, a.seq_len)
         a.microbatches = a.microbatches or self.world_size
         data = prepare(PRESETS[a.model].vocab_size, a.data, log=self.log)
         self.write_status("connecting")
