@@ -10,6 +10,7 @@ import sys
 
 from testbed import __version__
 from testbed.errors import EXIT_CAPABILITY, EXIT_FAIL, EXIT_INPUT, CliError  # noqa: F401 (re-exported)
+from testbed.vocab import CHECKSUM_MODES, ELEMENT_TYPES, ERROR_MODELS, SCOPES
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -358,13 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--direction", metavar="A-B", help="one direction, from A to B (default both); also written "
                     "'A->B' (quoted: > is a shell redirection)")
     ls.add_argument("--ber", help="bit error rate in [0, 0.5]")
-    ls.add_argument("--scope", choices=["payload", "all", "tensor"])
-    ls.add_argument("--checksum", choices=["fix", "keep"])
+    ls.add_argument("--scope", choices=SCOPES)
+    ls.add_argument("--checksum", choices=CHECKSUM_MODES)
     ls.add_argument("--seed", type=int)
-    ls.add_argument("--error-model", choices=["bernoulli", "gilbert_elliott"])
+    ls.add_argument("--error-model", choices=ERROR_MODELS)
     ls.add_argument("--burst-length", type=float, help="gilbert_elliott mean burst length in bits")
     ls.add_argument("--bad-ber", type=float, default=0.5, help="gilbert_elliott BER in the bad state (default 0.5)")
-    ls.add_argument("--element", choices=["fp32", "bf16", "fp16"],
+    ls.add_argument("--element", choices=ELEMENT_TYPES,
                     help="scope tensor: the value type whose bits --protect names")
     ls.add_argument("--protect", metavar="FIELDS", help="scope tensor: bits the link protects, comma-separated "
                     "sign/exponent/mantissa or bit positions (0 = LSB); '' protects nothing")

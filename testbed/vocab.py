@@ -7,7 +7,7 @@ import it.
 """
 
 __all__ = ["SCOPES", "CHECKSUM_MODES", "ENGINES", "ENGINE_CHOICES", "FLOAT_FORMATS", "ELEMENT_TYPES", "WIRE_DTYPES",
-           "TORCH_DTYPE_NAMES", "PROTECT_FIELDS", "MODES", "GUARDS", "LATENCY_BERS", "DEFAULT_RECIPE"]
+           "TORCH_DTYPE_NAMES", "PROTECT_FIELDS", "MODES", "GUARDS", "LATENCY_BERS", "DEFAULT_RECIPE", "ERROR_MODELS"]
 
 # What a link's engine corrupts: the TCP payload, the whole frame, or only gloo's tensor bytes (docs/engine.md).
 SCOPES = ("payload", "all", "tensor")
@@ -17,6 +17,8 @@ CHECKSUM_MODES = ("fix", "keep")
 # a topology or a command may also ask for auto (bpf where it loads and the scope allows, else nfqueue).
 ENGINES = ("nfqueue", "bpf")
 ENGINE_CHOICES = ENGINES + ("auto",)
+# How a link's bit errors arrive: independently per bit, or in bursts (docs/engine.md, "Error models").
+ERROR_MODELS = ("bernoulli", "gilbert_elliott")
 
 # The floating-point types a tensor crosses a link in: type -> (exponent bits, mantissa bits), the sign on top.
 FLOAT_FORMATS = {"fp32": (8, 23), "bf16": (8, 7), "fp16": (5, 10)}

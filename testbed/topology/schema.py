@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from testbed.topology import units
-from testbed.vocab import CHECKSUM_MODES, ELEMENT_TYPES, ENGINE_CHOICES, PROTECT_FIELDS, SCOPES
+from testbed.vocab import CHECKSUM_MODES, ELEMENT_TYPES, ENGINE_CHOICES, ERROR_MODELS, PROTECT_FIELDS, SCOPES
 
 TOPOLOGY_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,23}$")
 DEFAULT_DATA_POOL = ipaddress.IPv4Network("10.0.0.0/16")
@@ -44,7 +44,7 @@ class _Strict(BaseModel):
 class ErrorModelSpec(_Strict):
     """`bernoulli`, or `gilbert_elliott` with a mean burst length in bits (mean BER is the link's `ber`)."""
 
-    type: Literal["bernoulli", "gilbert_elliott"] = "bernoulli"
+    type: Literal[ERROR_MODELS] = "bernoulli"
     burst_length: float | None = Field(default=None, ge=1.0)
     # None: the engine's defaults (bad 0.5, good 0); the engine's own check decides what combinations are valid
     bad_ber: Annotated[float | None, _wrap(lambda x: units.parse_probability(x, upper=1.0))] = None
