@@ -21,7 +21,8 @@ from pathlib import Path
 
 from testbed.machines.cluster import ClusterTestbed, cluster_of
 from testbed.locate.launcher import monitoring
-from testbed.net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME, Testbed
+from testbed.engine.counters import COUNTER_FIELDS, FIELD_COUNTERS
+from testbed.net import MGMT_IFNAME, Testbed
 from testbed.state import write_json_atomic
 from testbed.topology.topo import Topology
 from testbed.train.model import PRESETS
@@ -323,7 +324,7 @@ def train_process(topology, cfg, out, overrides, log=print):
 
 
 def hop_counters(run_dir, hops):
-    """Per hop, the counters its receiver saved, in the fields the wire's engines report (net.COUNTER_FIELDS,
+    """Per hop, the counters its receiver saved, in the fields the wire's engines report (COUNTER_FIELDS,
     FIELD_COUNTERS); packets and flows do not exist here (null)."""
     import json
 

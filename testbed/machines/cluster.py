@@ -406,7 +406,7 @@ class ClusterTestbed:
     def links_restored(self, links=None, warn=None):
         """As Testbed.links_restored: the engines of `links` get their settings back on leaving, and engines
         started inside are stopped (each machine restores its own)."""
-        from testbed.net import RESTORED_SETTINGS
+        from testbed.engine.counters import RESTORED_SETTINGS
 
         links = [l.name for l in self.topo.links] if links is None else [self.topo.link(n).name for n in links]
         saved = {k: {f: s.get(f) for f in RESTORED_SETTINGS} for k, s in self.counters(links).items()}
@@ -433,7 +433,7 @@ class ClusterTestbed:
                 if wanted is None or s["link"] in wanted}
 
     def counters_since(self, before: dict, links=None, fields=None) -> dict[str, dict]:
-        from testbed.net import COUNTER_FIELDS, counter_delta
+        from testbed.engine.counters import COUNTER_FIELDS, counter_delta
 
         after = self.counters(links)
         out = counter_delta(before, after, fields or COUNTER_FIELDS)

@@ -116,7 +116,7 @@ def parts(topo: Topology, where: dict[str, str], views: dict[str, MachineView],
 
 
 def engine_node(topo: Topology, l, direction: str) -> str:
-    """The node whose namespace runs a direction's corruption (as Testbed.engine_site): the sending host, or the
+    """The node whose namespace runs a direction's corruption (as LinkEngines.site): the sending host, or the
     receiving host when a switch sends. The machine of that node runs the engine."""
     _, snd, rcv, _ = l.direction(direction)
     return snd.node if topo.nodes[snd.node].kind == "host" else rcv.node

@@ -28,7 +28,7 @@ class LinkImpairment:
     element: str = "fp32"
     protect: tuple[str | int, ...] | None = None
     protected_ber: float = 0.0
-    engine: str = "nfqueue"  # nfqueue | bpf | auto (resolved when the engine starts: testbed/net.py)
+    engine: str = "nfqueue"  # nfqueue | bpf | auto (resolved when the engine starts: testbed/engine/registry.py)
 
     @property
     def corrupts(self) -> bool:
@@ -58,7 +58,9 @@ class LinkImpairment:
                 prot = f" protect {','.join(map(str, self.protect))}/{self.element}"
                 if self.protected_ber:
                     prot += f" at {self.protected_ber:g}"
-            eng = f" engine {self.engine}" if self.engine != "nfqueue" else ""
+            from testbed.engine.registry import describe_engine
+
+            eng = describe_engine(self.engine)
             parts.append(f"ber {self.ber:g}{extra} {self.scope}/{self.checksum}{coll}{prot} seed {self.seed}{eng}")
         return ", ".join(parts) or "-"
 

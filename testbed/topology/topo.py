@@ -277,9 +277,10 @@ def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
         problems.append((f"{p}.error_model", "an error model needs a 'ber'"))
     if imp.collectives and imp.scope != "tensor":
         problems.append((f"{p}.collectives", "collectives filters apply to scope: tensor only"))
-    if imp.engine == "bpf" and imp.scope == "tensor":
-        problems.append((f"{p}.engine", "engine bpf corrupts scopes payload and all; scope tensor needs engine "
-                                        "nfqueue (or auto)"))
+    from testbed.engine.registry import engine_names, get_engine  # the kinds' own rules
+
+    if imp.engine in engine_names():  # what the kind asked for cannot serve (auto picks one that can)
+        problems += [(f"{p}.{field}", why) for field, why in get_engine(imp.engine).refusals(imp)]
     _check_protection(imp, p, problems)
 
 
