@@ -228,6 +228,10 @@ class Testbed:
         with self.engines.links_restored(links, warn):
             yield self
 
+    def _restore_engines(self, links: list[str], saved: dict[str, dict], report: Callable[[str], None]) -> None:
+        # what cli.py's `part-link restore` still calls; it becomes `tb.engines.restore(...)` there
+        self.engines.restore(links, saved, report)
+
     @contextmanager
     def detached(self, link_name: str) -> Iterator["Testbed"]:
         """Inside, the engines of one link see no traffic (the link passes it clean; the engines keep running);
