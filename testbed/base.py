@@ -136,7 +136,7 @@ class BaseTestbed(ABC):
                        fields: Iterable[str] | None = None) -> dict[str, dict]:
         """`counter_delta(before, self.counters(links), fields)`; with the machine that ran each engine, where
         the testbed spans machines."""
-        from testbed.net import COUNTER_FIELDS, counter_delta  # MERGE
+        from testbed.engine.counters import COUNTER_FIELDS, counter_delta
 
         after = self.counters(links)
         out = counter_delta(before, after, COUNTER_FIELDS if fields is None else fields)
@@ -166,7 +166,7 @@ class BaseTestbed(ABC):
         there gets its settings back and engines started inside are stopped, so the topology is as it was.
         An engine that cannot be put back is passed to `warn`, or without one raised as a RuntimeError after
         every other engine was restored (a note on the block's own exception, if it raised)."""
-        from testbed.net import RESTORED_SETTINGS  # MERGE
+        from testbed.engine.counters import RESTORED_SETTINGS
 
         links = [l.name for l in self.topo.links] if links is None else [self.topo.link(n).name for n in links]
         saved = {k: {f: s.get(f) for f in RESTORED_SETTINGS} for k, s in self.counters(links).items()}

@@ -281,6 +281,7 @@ def _error_model_arg(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from testbed.engine.counters import ENGINE_PROCS
     from testbed.runtime.base import runtime_names
 
     p = argparse.ArgumentParser(
@@ -307,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "output): place the hosts on them over SSH (docs/machines.md)")
     s.add_argument("--vxlan-port", type=int, default=4789, metavar="PORT",
                    help="UDP port of the VXLAN tunnels between machines (default 4789)")
-    s.add_argument("--engine-procs", choices=["host", "direction"], default=None,
+    s.add_argument("--engine-procs", choices=ENGINE_PROCS, default=None,
                    help="NFQUEUE engine processes: one per host serving all of its corrupted directions, or one "
                         "per direction (default: $TESTBED_ENGINE_PROCS, else host; docs/engine.md)")
     s.set_defaults(fn=cmd_up)
@@ -415,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from pyroute2.netlink.exceptions import NetlinkError
 
-    from testbed.link import CapabilityMissing
+    from testbed.errors import CapabilityMissing
     from testbed.runtime.base import RuntimeUnavailable
     from testbed.topology.topo import TopologyError
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 
 from pyroute2 import NetNS
 
 from testbed import link, nsutil
+from testbed.engine.registry import all_engines
 
 
 @dataclass
@@ -47,41 +47,6 @@ def _tbf(path: str) -> tuple[bool, str]:
     return True, "rate limits (tbf) work"
 
 
-def _nfqueue(path: str) -> tuple[bool, str]:
-    if not shutil.which("iptables"):
-        return False, "iptables is missing (apt-get install iptables): no bit corruption"
-    r = nsutil.nsexec(path, ["iptables", "-t", "mangle", "-A", "POSTROUTING", "-o", "lo", "-j", "NFQUEUE",
-                             "--queue-num", "7"], check=False)
-    if r.returncode != 0:
-        return False, f"iptables NFQUEUE rule refused: {(r.stderr or r.stdout).strip()} -> no bit corruption"
-    return True, f"iptables NFQUEUE works ({_iptables_version()})"
-
-
-def _bpf_engine(path: str) -> tuple[bool, str]:
-    from testbed.engine.bpf import build
-    from testbed.engine.bpf import engine as bpf_engine
-
-    missing = build.missing_tools()
-    if missing:
-        return False, (f"bpf engine unavailable: missing {', '.join(missing)} (apt-get install "
-                       f"{' '.join(sorted(set(missing.values())))}) -> links asking for engine: bpf are refused, "
-                       f"engine: auto uses nfqueue")
-    with NetNS(path) as n:
-        n.link("add", ifname="dbpf0", kind="veth", peer={"ifname": "dbpf1"})
-        for name in ("dbpf0", "dbpf1"):
-            n.link("set", index=n.link_lookup(ifname=name)[0], state="up")
-    try:
-        return True, bpf_engine.selftest(path, "dbpf0")
-    except Exception as e:
-        return False, (f"bpf engine unavailable: {e} -> links asking for engine: bpf are refused, engine: auto "
-                       f"uses nfqueue")
-
-
-def _iptables_version() -> str:
-    r = subprocess.run(["iptables", "--version"], capture_output=True, text=True)
-    return r.stdout.strip() or "iptables"
-
-
 def _docker() -> tuple[bool, str]:
     try:
         from testbed.runtime.docker import engine_status
@@ -107,8 +72,8 @@ def run_checks() -> list[Check]:
     checks.append(Check("netem", netem, "delay, jitter and loss via tc netem work" if netem else
                         "sch_netem is missing from this kernel: topologies asking for delay/jitter/loss are refused "
                         "with a message; rate limits and bit corruption still work", essential=False))
-    checks.append(Check("nfqueue", *_probe_ns(_nfqueue)))
-    checks.append(Check("bpf", *_probe_ns(_bpf_engine), essential=False))
+    for engine in all_engines():  # each engine kind's own check (nfqueue, bpf)
+        checks.append(Check(engine.name, *_probe_ns(engine.probe), essential=engine.essential))
     for tool, why in (("nsenter", "running commands in hosts"), ("unshare", "per-host hostnames"),
                       ("ethtool", "offload settings"), ("iperf3", "throughput benchmarks"),
                       ("tcpdump", "captures for inspection")):

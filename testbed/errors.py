@@ -12,3 +12,8 @@ class CliError(Exception):
     def __init__(self, msg: str, code: int = EXIT_FAIL):
         super().__init__(msg)
         self.code = code
+
+
+class CapabilityMissing(RuntimeError):
+    """The kernel or the system lacks something a topology asks for; the message says exactly what (exit code
+    EXIT_CAPABILITY)."""

@@ -14,13 +14,12 @@ from pyroute2 import NetNS
 from pyroute2.netlink.exceptions import NetlinkError
 
 from testbed import nsutil
+from testbed.errors import CapabilityMissing
 from testbed.topology.topo import OFFLOAD_FEATURES, LinkImpairment
 
+VXLAN_OVERHEAD = 50  # outer Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8 bytes
+
 BRIDGE = "br0"
-
-
-class CapabilityMissing(RuntimeError):
-    """The kernel or the system lacks something a topology asks for; the message says exactly what."""
 
 
 # Opening a netlink socket inside a namespace costs ~10 ms (pyroute2 forks a helper to get it); building a

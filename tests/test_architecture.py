@@ -172,6 +172,15 @@ def test_no_module_uses_another_modules_private_names():
     assert not found, "private names used across modules:\n  " + "\n  ".join(found)
 
 
+def test_the_registered_engines_are_the_vocabulary():
+    """Engine names are one fact: the kinds that register themselves are testbed/vocab.py's (which the
+    topology schema, written before any kind is imported, offers with auto)."""
+    from testbed import vocab
+    from testbed.engine.registry import engine_choices, engine_names
+
+    assert tuple(engine_names()) == vocab.ENGINES and tuple(engine_choices()) == vocab.ENGINE_CHOICES
+
+
 def top_level_modules() -> list[str]:
     return sorted(p.stem for p in PACKAGE_DIR.glob("*.py"))
 

@@ -18,7 +18,7 @@ from engine_fixtures import MB, PYTHON, read_json_line, transfer, checked_veth_l
 
 from testbed.engine.manager import engine_stats
 from testbed.engine.nfqueue import kernel_queues, queue_drops
-from testbed.net import counter_delta
+from testbed.engine.counters import counter_delta
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, iptables)")
 
@@ -212,7 +212,7 @@ def test_host_engine_process_drops_in_stats_and_live_join(capsys):
         delta = tb.counters_since(before)
         assert delta["h1-h2/h2->h1"]["queue_dropped"] == 904 and delta["h1-h2/h2->h1"]["user_dropped"] == 0
         # one direction of the shared process stopped (as links_restored does): the other keeps running
-        final = tb._stop_engine("h2-h3/h2->h3")
+        final = tb.engines.stop("h2-h3/h2->h3")
         assert final["alive"] is False and final["bits_flipped"] > 0
         assert engine_stats(tb.engine_handles()["h1-h2/h2->h1"])["alive"]
         # the process dies: every direction it served is reported dead

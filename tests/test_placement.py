@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import TOPOLOGIES
-from testbed.machines.placement import VNI_BLOCK, VXLAN_OVERHEAD, MachineView, parts, place, vni_base
+from testbed.machines.placement import VNI_BLOCK, MachineView, parts, place, vni_base
+from testbed.link import VXLAN_OVERHEAD
 from testbed.topology.topo import Topology, TopologyError
 
 

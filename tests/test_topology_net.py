@@ -258,7 +258,7 @@ def _nfqueue_rules(tb, host: str) -> list[str]:
 def test_testbed_counters_restore_and_detach(load_topology):
     """The Testbed API that benchmarks and training use: counter snapshots and their per-direction deltas,
     changing a link and getting it back as it was, and detaching a link's engines for a while."""
-    from testbed.net import counter_delta
+    from testbed.engine.counters import counter_delta
 
     topo = load_topology("pair.yaml").with_overrides(ber=1e-5, scope="payload")
     with running(topo) as tb:

@@ -54,11 +54,12 @@ import numpy as np
 from testbed import testbeds
 from testbed.base import BaseTestbed
 from testbed.errors import EXIT_CAPABILITY, EXIT_INPUT, CliError
-from testbed.net import counter_delta  # MERGE
+from testbed.engine.counters import counter_delta
+from testbed.engine.registry import engine_choices
 from testbed.runtime.base import RuntimeUnavailable, runtime_names
 from testbed.state import write_json_atomic
 from testbed.topology.topo import Link, Topology, TopologyError
-from testbed.vocab import CHECKSUM_MODES, ENGINE_CHOICES, LATENCY_BERS, SCOPES
+from testbed.vocab import CHECKSUM_MODES, LATENCY_BERS, SCOPES
 
 DEFAULT_BERS = LATENCY_BERS
 DEFAULT_SIZE = 16384
@@ -354,8 +355,8 @@ def measure_latency(tb_or_topology: "BaseTestbed | Topology | str", link: str | 
     log = log or _quiet
     bers = _check_bers(bers)
     if engine is not None:
-        if engine not in ENGINE_CHOICES:
-            raise BenchError(f"engine {engine!r}: {_one_of(ENGINE_CHOICES)}")
+        if engine not in (kinds := engine_choices()):
+            raise BenchError(f"engine {engine!r}: {_one_of(kinds)}")
         if not isinstance(tb_or_topology, Topology):
             raise BenchError("engine applies to a topology file (a topology that is up keeps its engines)")
     if size < 1 or count < 1 or repeat < 1 or warmup < 0:
@@ -751,7 +752,7 @@ def add_bench_commands(b: argparse.ArgumentParser) -> None:
     s.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="untimed round trips per connection")
     s.add_argument("--repeat", type=int, default=1, help="run the whole sequence this many times (pooled)")
     s.add_argument("--port", type=int, default=PINGPONG_PORT, help=f"server port (default {PINGPONG_PORT})")
-    s.add_argument("--engine", choices=ENGINE_CHOICES,
+    s.add_argument("--engine", choices=engine_choices(),
                    help="engine kind on the measured link, for a topology file (default: the file's, else nfqueue; "
                         "auto: bpf where it loads)")
     s.add_argument("--out", metavar="DIR", help="where latency.json goes (default results/bench/latency-NAME-TIME)")

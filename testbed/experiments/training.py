@@ -19,7 +19,8 @@ from pathlib import Path
 from testbed import testbeds
 from testbed.base import BaseTestbed
 from testbed.locate.launcher import monitoring
-from testbed.net import COUNTER_FIELDS, FIELD_COUNTERS, MGMT_IFNAME  # MERGE
+from testbed.engine.counters import COUNTER_FIELDS, FIELD_COUNTERS
+from testbed.net import MGMT_IFNAME
 from testbed.state import write_json_atomic
 from testbed.topology.topo import Topology
 from testbed.train.model import PRESETS
@@ -262,7 +263,7 @@ def train_process(topology, cfg, out, overrides, log=print):
 
 
 def hop_counters(run_dir, hops):
-    """Per hop, the counters its receiver saved, in the fields the wire's engines report (net.COUNTER_FIELDS,
+    """Per hop, the counters its receiver saved, in the fields the wire's engines report (COUNTER_FIELDS,
     FIELD_COUNTERS); packets and flows do not exist here (null)."""
     import json
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from testbed.base import BaseTestbed, Workers, quiet
-from testbed.machines.placement import VXLAN_PORT, MachineView, engine_node, parts, place
+from testbed.machines.placement import VXLAN_PORT, MachineView, parts, place
 from testbed.state import State, TopologyNotFound, claim, running_names, state_dir
 from testbed.topology.topo import Topology
 
@@ -268,7 +268,7 @@ def link_set(name: str, link_name: str, args: list[str]) -> str:
     topo = Topology.from_dict(State.load(name).data["topology"])
     l = topo.link(link_name)
     where = cluster_of(name)["placement"]
-    machines = sorted({where[engine_node(topo, l, d)] for d, *_ in l.directions()})
+    machines = sorted({where[topo.engine_node(l, d)] for d, *_ in l.directions()})
     outs = []
     for m in machines:
         r = on_machine(name, m, ["link", "set", "--topo", name, link_name, *args], check=True, timeout=60)
@@ -312,11 +312,7 @@ def part_link(name: str, op: str, link_name: str, payload: dict) -> None:
         payload = dict(payload)
         tb.set_link(link_name, payload.pop("direction", None), **payload)
     elif op in ("detach", "attach"):
-        from testbed.engine.manager import attach_engine, detach_engine  # MERGE
-
-        for h in tb.engine_handles([link_name]).values():
-            if h.rule:
-                (detach_engine if op == "detach" else attach_engine)(h)
+        (tb.engines.detach_link if op == "detach" else tb.engines.attach_link)(link_name)
     elif op == "restore":
         failed: list[str] = []
         tb.restore_links([link_name], payload, failed.append)
@@ -482,7 +478,7 @@ class ClusterTestbed(BaseTestbed):
 
     def _engine_machines(self, link_name: str) -> list[str]:
         l = self.topo.link(link_name)
-        return sorted({self.machine_of(engine_node(self.topo, l, d)) for d, *_ in l.directions()})
+        return sorted({self.machine_of(self.topo.engine_node(l, d)) for d, *_ in l.directions()})
 
     def _part_link(self, op: str, link_name: str, payload=None) -> None:
         args = ["part-link", self.name, op, link_name] + ([json.dumps(payload)] if payload is not None else [])
@@ -493,10 +489,8 @@ class ClusterTestbed(BaseTestbed):
 
     def set_link(self, link_name: str, direction: str | None = None, **settings) -> list[str]:
         """As Testbed.set_link, on the machines that run the link's engines (each changes its own)."""
-        from testbed.net import normalize_direction  # MERGE
-
         l = self.topo.link(link_name)
-        names = [d for d, *_ in l.directions()] if direction is None else [normalize_direction(l, direction)]
+        names = [d for d, *_ in l.directions()] if direction is None else [l.direction_name(direction)]
         self._part_link("set", l.name, {**settings, "direction": direction})
         return [f"{l.name}/{d}" for d in names]
 

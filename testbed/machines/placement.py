@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from testbed.topology.topo import Topology, TopologyError
 
 VXLAN_PORT = 4789  # IANA's VXLAN port; `up --vxlan-port` changes it
-VXLAN_OVERHEAD = 50  # outer Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8 bytes
 VNI_BLOCK = 1024  # VNIs per topology: its management segment and up to 1023 links
 
 
@@ -115,8 +114,4 @@ def parts(topo: Topology, where: dict[str, str], views: dict[str, MachineView],
     return out, notes
 
 
-def engine_node(topo: Topology, l, direction: str) -> str:
-    """The node whose namespace runs a direction's corruption (as Testbed.engine_site): the sending host, or the
-    receiving host when a switch sends. The machine of that node runs the engine."""
-    _, snd, rcv, _ = l.direction(direction)
-    return snd.node if topo.nodes[snd.node].kind == "host" else rcv.node
+

@@ -28,7 +28,7 @@ class LinkImpairment:
     element: str = "fp32"
     protect: tuple[str | int, ...] | None = None
     protected_ber: float = 0.0
-    engine: str = "nfqueue"  # nfqueue | bpf | auto (resolved when the engine starts: testbed/net.py)
+    engine: str = "nfqueue"  # nfqueue | bpf | auto (resolved when the engine starts: testbed/engine/registry.py)
 
     @property
     def corrupts(self) -> bool:
@@ -58,7 +58,9 @@ class LinkImpairment:
                 prot = f" protect {','.join(map(str, self.protect))}/{self.element}"
                 if self.protected_ber:
                     prot += f" at {self.protected_ber:g}"
-            eng = f" engine {self.engine}" if self.engine != "nfqueue" else ""
+            from testbed.engine.registry import describe_engine
+
+            eng = describe_engine(self.engine)
             parts.append(f"ber {self.ber:g}{extra} {self.scope}/{self.checksum}{coll}{prot} seed {self.seed}{eng}")
         return ", ".join(parts) or "-"
 
@@ -109,6 +111,16 @@ class Link:
             (f"{self.a.node}->{self.b.node}", self.a, self.b, self.forward),
             (f"{self.b.node}->{self.a.node}", self.b, self.a, self.reverse),
         ]
+
+    def direction_name(self, direction: str) -> str:
+        """One of the link's directions, written 'A->B' or 'A-B' (when unambiguous); KeyError naming them."""
+        names = [d[0] for d in self.directions()]
+        if direction in names:
+            return direction
+        for n in names:
+            if n.replace("->", "-") == direction:
+                return n
+        raise KeyError(f"link {self.name} has no direction {direction!r} (directions: {', '.join(names)})")
 
     def direction(self, name: str) -> tuple[str, Endpoint, Endpoint, LinkImpairment]:
         for d in self.directions():

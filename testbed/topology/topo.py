@@ -74,6 +74,12 @@ class Topology:
                 return link
         raise KeyError(f"topology {self.name!r} has no link {name!r} (links: {', '.join(l.name for l in self.links)})")
 
+    def engine_node(self, l: Link, direction: str) -> str:
+        """The node whose namespace runs a direction's corruption (LinkEngines.site): the sending host, or the
+        receiving host when a switch sends. Across machines, the machine of that node runs the engine."""
+        _, snd, rcv, _ = l.direction(direction)
+        return snd.node if self.nodes[snd.node].kind == "host" else rcv.node
+
     def with_overrides(self, name: str | None = None, runtime: str | None = None, **impairment: Any) -> "Topology":
         """A copy with another name/runtime and corruption settings applied to every link direction
         (e.g. `ber=1e-5, scope="tensor"`), validated like the file itself."""
@@ -277,9 +283,10 @@ def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
         problems.append((f"{p}.error_model", "an error model needs a 'ber'"))
     if imp.collectives and imp.scope != "tensor":
         problems.append((f"{p}.collectives", "collectives filters apply to scope: tensor only"))
-    if imp.engine == "bpf" and imp.scope == "tensor":
-        problems.append((f"{p}.engine", "engine bpf corrupts scopes payload and all; scope tensor needs engine "
-                                        "nfqueue (or auto)"))
+    from testbed.engine.registry import engine_names, get_engine  # the kinds' own rules
+
+    if imp.engine in engine_names():  # what the kind asked for cannot serve (auto picks one that can)
+        problems += [(f"{p}.{field}", why) for field, why in get_engine(imp.engine).refusals(imp)]
     _check_protection(imp, p, problems)
 
 
