@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from testbed import register_kind
 from testbed.engine.config import SCOPES, EngineError, EngineSpec
 
 # `engine: auto` in a topology: resolved per direction when its engine starts (registry.resolve_engine).
@@ -144,11 +145,4 @@ ENGINES: dict[str, type[Engine]] = {}
 
 def register_engine(cls: type[Engine]) -> type[Engine]:
     """Class decorator: make an engine kind known by its `name` (to registry.get_engine and engine: auto)."""
-    if not cls.name:
-        raise TypeError(f"engine class {cls.__name__} has no name")
-    known = ENGINES.get(cls.name)
-    where = f"{cls.__module__}.{cls.__qualname__}"
-    if known is not None and f"{known.__module__}.{known.__qualname__}" != where:  # the same one reloaded is fine
-        raise ValueError(f"two engines named {cls.name!r}: {known.__module__}.{known.__qualname__} and {where}")
-    ENGINES[cls.name] = cls
-    return cls
+    return register_kind(ENGINES, cls, "engine")

@@ -13,6 +13,8 @@ import subprocess
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 
+from testbed import register_kind
+
 
 # A testbed host has no DNS server: its names come from the hosts file. Without this file a host inherits this
 # machine's resolv.conf, whose server is unreachable from inside (and may even fall inside the management
@@ -108,14 +110,7 @@ RUNTIMES: dict[str, type[Runtime]] = {}
 
 def register_runtime(cls: type[Runtime]) -> type[Runtime]:
     """Class decorator: make a runtime known by its `name` (to `get_runtime`, teardown and the sweeps)."""
-    if not cls.name:
-        raise TypeError(f"runtime class {cls.__name__} has no name")
-    known = RUNTIMES.get(cls.name)
-    where = f"{cls.__module__}.{cls.__qualname__}"
-    if known is not None and f"{known.__module__}.{known.__qualname__}" != where:  # the same one reloaded is fine
-        raise ValueError(f"two runtimes named {cls.name!r}: {known.__module__}.{known.__qualname__} and {where}")
-    RUNTIMES[cls.name] = cls
-    return cls
+    return register_kind(RUNTIMES, cls, "runtime")
 
 
 def get_runtime(name: str) -> Runtime:

@@ -200,6 +200,12 @@ def get_eval_batch(tokens, batch_size, seq_len, index):
     return _windows(tokens, starts, seq_len)
 
 
+def eval_batches(tokens, args):
+    """The validation batches of an eval (`args.eval_batches` of `get_eval_batch`)."""
+    for i in range(args.eval_batches):
+        yield get_eval_batch(tokens, args.batch_size, args.seq_len, i)
+
+
 def main():
     from testbed.train.model import PRESETS
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from testbed.train import recipe
-from testbed.train.data import get_batch, get_eval_batch
+from testbed.train.data import eval_batches, get_batch
 from testbed.train.model import logits_of
 from testbed.train.recipe import nonfinite
 
@@ -147,10 +147,8 @@ class DDPTrainer:
     @torch.no_grad()
     def eval_loss(self):
         """This replica's loss on fixed validation batches (not averaged: replicas may have diverged)."""
-        a = self.args
         losses = []
-        for i in range(a.eval_batches):
-            x, y = get_eval_batch(self.data.val, a.batch_size, a.seq_len, i)
+        for x, y in eval_batches(self.data.val, self.args):
             x, y = x.to(self.device), y.to(self.device)
             losses.append(float(F.cross_entropy(logits_of(self.module, x).flatten(0, 1), y.flatten())))
         return sum(losses) / len(losses)

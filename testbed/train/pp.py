@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining import schedules as _schedules
 
 from testbed.train import recipe
-from testbed.train.data import get_batch, get_eval_batch
+from testbed.train.data import eval_batches, get_batch
 from testbed.train.recipe import nonfinite
 from testbed.train.stages import WireCast, split_stages
 
@@ -242,9 +242,5 @@ class PPTrainer:
 
     @torch.no_grad()
     def eval_loss(self):
-        a = self.args
-        losses = []
-        for i in range(a.eval_batches):
-            x, y = get_eval_batch(self.data.val, a.batch_size, a.seq_len, i)
-            losses.append(self._run(self.eval_schedule.eval, x, y))
+        losses = [self._run(self.eval_schedule.eval, x, y) for x, y in eval_batches(self.data.val, self.args)]
         return self._share_from_last(sum(losses) / len(losses) if self.last else None)
