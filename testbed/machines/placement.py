@@ -17,6 +17,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from testbed.link import VXLAN_OVERHEAD
 from testbed.topology.topo import Topology, TopologyError
 
 VXLAN_PORT = 4789  # IANA's VXLAN port; `up --vxlan-port` changes it
