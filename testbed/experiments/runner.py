@@ -228,6 +228,9 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     if len(todo) < len(points):
         say(f"{len(points) - len(todo)} of {len(points)} points already in {out / 'results.jsonl'}: skipped")
     warm = None if cold or machines is not None else WarmSweep(out)
+    if warm is not None:  # a group's points together (a point's baseline is in its group, and stays before it)
+        groups = list(dict.fromkeys(warm_group(exp, p) for p in todo))
+        todo.sort(key=lambda p: groups.index(warm_group(exp, p)))
     try:
         for point in todo:
             bar.set_postfix_str(point.id)
@@ -246,6 +249,12 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
             warm.close()
         bar.close()
     return list(store.rows.values())
+
+
+def warm_group(exp: Experiment, point: Point) -> tuple:
+    """What the points that share a warm topology or local services share: injector, topology, mode, hosts."""
+    cfg = train_config(exp, point)
+    return cfg.injector, exp.recipe(point.recipe).topology or exp.spec.topologies[point.mode], point.mode, cfg.hosts
 
 
 def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp: str, name: str,
