@@ -127,6 +127,7 @@ class WarmSweep:
         try:
             if self._switch(("wire", topo.file or topo.name, runtime, cfg.mode, tuple(hosts))):
                 d = self.dir / f"{next(self.groups)}-{topo.name}"
+                d.mkdir(parents=True, exist_ok=True)  # the services' logs end here (from a container's shared dir)
                 self.tb = testbeds.create(topo, None, runtime=runtime, results_dir=d, log=log).up()
                 self.workers = self.tb.workers(d, hosts, PASSED_ENV)
                 self.pool = WorkerPool(self.workers.spawn, self.workers.run_dir / "inbox")
