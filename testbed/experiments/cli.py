@@ -63,7 +63,8 @@ def cmd_run(args) -> int:
         from testbed.machines.inventory import load_inventory
 
         machines = load_inventory(args.machines)
-    rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed, machines=machines)
+    rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed, machines=machines,
+                          cold=args.cold)
     from testbed.report.report import write_report
 
     report = write_report(args.out)
@@ -97,6 +98,9 @@ def register(sub) -> None:
     s.add_argument("--out", required=True, metavar="DIR")
     s.add_argument("--runtime", choices=["netns", "docker"], help="override the experiment's runtime")
     s.add_argument("--retry-failed", action="store_true", help="also re-run points that did not end ok")
+    s.add_argument("--cold", action="store_true", help="a fresh topology and fresh workers for every point (default: "
+                   "warm, the points of one topology, runtime and mode on one topology and workers that stay up; "
+                   "--machines is always cold)")
     s.add_argument("--machines", metavar="FILE", help="inventory of machines: every point's topology is placed "
                    "across them (docs/machines.md); each row records where every host ran")
     s.set_defaults(fn=cmd_run)

@@ -1,5 +1,6 @@
-"""`testbed run EXPERIMENT.yaml --out DIR`: run an experiment's grid point by point, each on a freshly brought
-up topology, and keep results safe across interruptions.
+"""`testbed run EXPERIMENT.yaml --out DIR`: run an experiment's grid point by point (warm: the points of one
+topology, runtime and mode on one topology and worker services that stay up; --cold: each on a freshly
+brought up topology with fresh workers), and keep results safe across interruptions.
 
 - results.jsonl is rewritten atomically after every point (temp file + rename): an interrupted run loses only
   the point in progress, and a re-run skips every point already there (same experiment fingerprint).
@@ -24,6 +25,7 @@ from testbed.train.settings import TrainSettings, default_of
 from testbed.analysis.results import error_row, new_row
 from testbed.experiments.spec import Experiment, Point
 from testbed.experiments.training import DEFAULT_COLLECTIVES, summary_line, train
+from testbed.experiments.warm import WarmSweep
 
 
 class ResultsStore:
@@ -200,8 +202,13 @@ def cfg_field(summary: dict, key: str):
 
 
 def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
-                   log=None, machines=None) -> list[dict]:
-    """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given."""
+                   log=None, machines=None, cold: bool = False) -> list[dict]:
+    """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given.
+    Warm (the default on this machine): points that share a topology, runtime and mode run on one topology
+    and worker services that stay up (testbed/experiments/warm.py); `cold`: a fresh topology and fresh
+    workers per point."""
+    from testbed.experiments.warm import WarmSweep
+
     from tqdm import tqdm
 
     out = Path(out).resolve()
@@ -220,24 +227,38 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     say = log or (lambda m: bar.write(m, file=sys.stderr))
     if len(todo) < len(points):
         say(f"{len(points) - len(todo)} of {len(points)} points already in {out / 'results.jsonl'}: skipped")
+    warm = None if cold or machines is not None else WarmSweep(out)
+    if warm is not None:  # a group's points together (a point's baseline is in its group, and stays before it)
+        groups = list(dict.fromkeys(warm_group(exp, p) for p in todo))
+        todo.sort(key=lambda p: groups.index(warm_group(exp, p)))
     try:
         for point in todo:
             bar.set_postfix_str(point.id)
             row = run_point(exp, point, out, runtime, fps[point.recipe], f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
-                                                          f"{points.index(point)}", machines)
+                                                          f"{points.index(point)}", machines, warm)
             line = row.pop("_line", None) or f"{row['status']}: {row.get('reason')}"
             store.add(row)
             say(f"{point.id}: {line}")
             bar.update(1)
+        if warm is not None:
+            warm.close()
         if exp.spec.latency is not None:
             run_latency(exp, out, runtime, say)
     finally:
+        if warm is not None:
+            warm.close()
         bar.close()
     return list(store.rows.values())
 
 
+def warm_group(exp: Experiment, point: Point) -> tuple:
+    """What the points that share a warm topology or local services share: injector, topology, mode, hosts."""
+    cfg = train_config(exp, point)
+    return cfg.injector, exp.recipe(point.recipe).topology or exp.spec.topologies[point.mode], point.mode, cfg.hosts
+
+
 def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp: str, name: str,
-              machines=None) -> dict:
+              machines=None, warm=None) -> dict:
     """Train one point; a failure of the set-up (not of the training) becomes an `error` row, so one bad
     point does not end the sweep (`--retry-failed` runs it again)."""
     run_dir = out / "points" / point.id
@@ -251,7 +272,7 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
             topo, ber = with_fault(topo, fault, point.ber, exp.spec.fault.background_ber), None
         summary = train(topo, train_config(exp, point), run_dir, ber=ber,
                         scope=point.scope, checksum=point.checksum, runtime=runtime, name=name, log=lambda m: None,
-                        machines=machines, **exp.link_settings(point))
+                        machines=machines, warm=warm, **exp.link_settings(point))
     except KeyboardInterrupt:
         raise
     except Exception as e:

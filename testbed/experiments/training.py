@@ -44,8 +44,10 @@ def prepare_data(cfg: TrainSettings, log=print) -> None:
     prepare(PRESETS[cfg.model].vocab_size, cfg.data, log=log)
 
 
-def train_on(tb: BaseTestbed, cfg: TrainSettings, out: str | Path, log=print) -> dict:
-    """Run the workers on a topology that is up; return the summary (also written to out/summary.json)."""
+def train_on(tb: BaseTestbed, cfg: TrainSettings, out: str | Path, log=print, pool=None, port=None) -> dict:
+    """Run the workers on a topology that is up; return the summary (also written to out/summary.json).
+    `pool`: warm worker services (testbed/experiments/warm.py) instead of fresh workers; `port`: the
+    rendezvous port (default: the topology's first control port)."""
     from testbed.train.launch import run_workers
 
     out = Path(out).resolve()
@@ -61,8 +63,8 @@ def train_on(tb: BaseTestbed, cfg: TrainSettings, out: str | Path, log=print) ->
     with tb.workers(out, hosts, PASSED_ENV) as workers:
         workers.prepare_data(cfg.model, cfg.data)
         with monitoring(tb, cfg, workers.run_dir, hosts):  # --monitor: the engines' counters while it runs
-            summary = run_workers(workers.spawn, len(hosts), cfg.worker_argv(), workers.run_dir,
-                                  _rank_env(tb, hosts), timeout_s=cfg.run_timeout,
+            summary = run_workers(pool.spawn if pool else workers.spawn, len(hosts), cfg.worker_argv(),
+                                  workers.run_dir, _rank_env(tb, hosts, port), timeout_s=cfg.run_timeout,
                                   stall_timeout_s=cfg.stall_timeout, log=log)
     _finish(tb, summary, before, hosts, started, cfg)
     summary.update(workers.facts)  # where it ran: the image (docker), the machines (across machines)
@@ -75,8 +77,8 @@ PASSED_ENV = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TESTBED_MGMT_
               "PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TESTBED_CACHE", "TESTBED_TORCH_THREADS")
 
 
-def _rank_env(tb, hosts: list[str]):
-    topo, master, port = tb.topo, tb.mgmt_address(hosts[0]), str(tb.topo.control_ports[0])
+def _rank_env(tb, hosts: list[str], port=None):
+    topo, master, port = tb.topo, tb.mgmt_address(hosts[0]), str(port or tb.topo.control_ports[0])
 
     def env_for_rank(rank: int) -> dict:
         h = hosts[rank]
@@ -146,10 +148,11 @@ DEFAULT_COLLECTIVES = {"ddp": ["allreduce"], "pp": ["p2p"]}
 def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber: float | None = None,
           scope: str | None = None, checksum: str | None = None, collectives: list[str] | None = None,
           protect: list[str | int] | None = None, element: str | None = None, protected_ber: float | None = None,
-          runtime: str | None = None, name: str | None = None, machines=None, log=print) -> dict:
+          runtime: str | None = None, name: str | None = None, machines=None, log=print, warm=None) -> dict:
     """Train on a topology: a Topology (brought up for the run, then down; across the machines of the inventory
     `machines` if given) or the name of one that is up (corruption overrides are applied live with `link
-    set`). `collectives` defaults to cfg.collectives."""
+    set`). `collectives` defaults to cfg.collectives. `warm` (a warm.WarmSweep): run a Topology's point on
+    the sweep's topology and worker services that stay up (not across machines)."""
     collectives = collectives if collectives is not None else cfg.collectives
     if scope == "tensor" and collectives is None:
         collectives = DEFAULT_COLLECTIVES[cfg.mode]
@@ -160,7 +163,7 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
     if cfg.injector == "process":  # no topology brought up: the error models run inside the workers
         if machines is not None:
             raise ValueError("injector process runs its workers on this machine: --machines does not apply")
-        return train_process(topology, cfg, out, overrides, log=log)
+        return train_process(topology, cfg, out, overrides, log=log, warm=warm)
     if isinstance(topology, str):  # a topology that is up: the overrides are set live on every link
         tb = testbeds.attach(topology)
         try:
@@ -172,6 +175,8 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
         finally:
             tb.close()
     topo = topology.with_overrides(name=name, runtime=runtime, **overrides)
+    if warm is not None and machines is None:
+        return warm.train(topo, cfg, out, runtime=runtime, log=log)
     # up for the run (across the machines of the inventory `machines`, if given), then down
     with testbeds.create(topo, machines, runtime=runtime, results_dir=out, log=log) as tb:
         return train_on(tb, cfg, out, log=log)
@@ -217,9 +222,10 @@ def summary_line(s: dict) -> str:
 # -- the process injector (testbed/train/inject.py): the same training, errors applied inside the workers --
 
 
-def train_process(topology, cfg, out, overrides, log=print):
+def train_process(topology, cfg, out, overrides, log=print, warm=None):
     """Run a training with the process injector: the topology's hosts give the world size, its link directions
-    (with `overrides` applied, as the wire's run would) each hop's settings; workers run here on loopback."""
+    (with `overrides` applied, as the wire's run would) each hop's settings; workers run here on loopback
+    (on `warm`'s local worker services, if given)."""
     import json
 
     from testbed.train.inject import hop_settings, resolve_device
@@ -247,7 +253,8 @@ def train_process(topology, cfg, out, overrides, log=print):
         f"{cfg.device}; hops of {topo.name}: BER {', '.join(f'{b:g}' for b in bers)}), {cfg.steps} steps")
     argv = cfg.worker_argv() + ["--inject-hops", json.dumps(hops)]
     started = time.time()
-    summary = run_workers(local_spawn(out), len(hosts), argv, out, loopback_env(), timeout_s=cfg.run_timeout,
+    spawn = warm.local(len(hosts)).spawn if warm is not None else local_spawn(out)
+    summary = run_workers(spawn, len(hosts), argv, out, loopback_env(), timeout_s=cfg.run_timeout,
                           stall_timeout_s=cfg.stall_timeout, log=log)
     engines = hop_counters(out, hops)
     seen = sum(e["bits_seen"] for e in engines)

@@ -317,15 +317,14 @@ class Worker:
             self.log(reason)
             return code
 
-    def shutdown(self, code):
-        """Destroy the process groups (bounded: a broken pair must not hang the exit), then exit with `code`
-        through os._exit, so that interpreter teardown of gloo cannot turn the exit code into an abort."""
+    def close(self):
+        """Destroy the process groups, bounded (a broken pair must not hang): whether that finished."""
 
         def teardown():
             try:
                 if dist.is_initialized():
                     dist.destroy_process_group()
-                self.mgmt = None
+                self.mgmt = self.mgmt_group = None
             except Exception as exc:  # the exit code already says what happened
                 self.log(f"teardown: {exc}")
 
@@ -334,19 +333,34 @@ class Worker:
         t.join(timeout=min(30.0, self.args.timeout))
         sys.stdout.flush()
         sys.stderr.flush()
+        return not t.is_alive()
+
+    def shutdown(self, code):
+        """close(), then exit with `code` through os._exit, so that interpreter teardown of gloo cannot turn the
+        exit code into an abort."""
+        self.close()
         os._exit(code)
+
+
+def parse(argv=None):
+    """The worker's arguments, checked across settings (seq_len within the model's context, ...)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def set_threads(args):
+    torch.set_num_threads(max(1, args.threads or int(os.environ.get("TESTBED_TORCH_THREADS", "1"))))
 
 
 def main(argv=None):
     faulthandler.enable()  # a gloo SIGABRT then leaves a Python traceback in the log
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        settings.from_args(args)  # the checks across settings (seq_len within the model's context, ...)
-    except ValueError as e:
-        parser.error(str(e))
-    threads = args.threads or int(os.environ.get("TESTBED_TORCH_THREADS", "1"))
-    torch.set_num_threads(max(1, threads))
+    args = parse(argv)
+    set_threads(args)
     worker = Worker(args)
     worker.shutdown(worker.run_safely())
 

@@ -1,0 +1,89 @@
+"""Benchmark of a sweep's cost per point, cold (`testbed run --cold`: a fresh topology and fresh workers per point)
+against warm (the default: one topology and worker services per topology, runtime and mode; docs/experiments.md).
+
+A fixed subset of experiments/calibrate.yaml, both injectors (recipes wire and process), DDP and PP on
+topologies/pair.yaml: BER 0 and 1e-4, seeds 1 and 2, 100 steps (16 points per run), run cold and warm in
+turn `--reps` times. Per (recipe, mode): the median seconds per point (the time from one point's row to the
+next, set-up and row included), the part of it that is training (the workers' own step times, slowest rank,
+summed over the steps), and the ratio cold / warm. Run as root from the repository root:
+
+    .venv/bin/python benchmarks/bench_sweep.py [--steps 100] [--reps 1] [--out F]
+
+Target (issue 21): warm at least 3x faster per point than cold for tiny DDP and PP 100-step points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from testbed.experiments.runner import run_experiment  # noqa: E402
+from testbed.experiments.spec import Experiment  # noqa: E402
+
+
+def subset(tmp: Path, steps: int) -> Experiment:
+    doc = yaml.safe_load((ROOT / "experiments" / "calibrate.yaml").read_text())
+    doc.update(name="bsweep", steps=steps, topologies={m: str(ROOT / "topologies" / "pair.yaml") for m in ("ddp", "pp")})
+    doc["grid"].update(ber=[0, 1e-4], seed=[1, 2])
+    f = tmp / "bsweep.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    return Experiment.load(f)
+
+
+def one_run(exp: Experiment, out: Path, cold: bool) -> list[dict]:
+    """Per point: recipe, mode, status, seconds (since the previous point's row) and training seconds."""
+    started = time.time()
+    rows = sorted(run_experiment(exp, out, cold=cold, log=lambda m: None), key=lambda r: r["finished_at"])
+    points, prev = [], started
+    for r in rows:
+        points.append({"point": r["point"], "recipe": r["recipe"], "mode": r["mode"], "status": r["status"],
+                       "s": r["finished_at"] - prev, "train_s": sum(r["step_time_curve"])})
+        prev = r["finished_at"]
+    return points
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--reps", type=int, default=1, help="cold and warm runs each (medians over all their points)")
+    p.add_argument("--out", help="write the per-point times as JSON here")
+    a = p.parse_args()
+    runs: dict[str, list[dict]] = {"cold": [], "warm": []}
+    with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
+        exp = subset(Path(tmp), a.steps)
+        for rep in range(a.reps):
+            for kind in ("cold", "warm"):
+                t = time.monotonic()
+                runs[kind] += one_run(exp, Path(tmp) / f"{kind}-{rep}", cold=kind == "cold")
+                print(f"rep {rep + 1}/{a.reps} {kind}: {time.monotonic() - t:.1f}s", file=sys.stderr, flush=True)
+    print(f"{'recipe':8} {'mode':4} {'cold s/pt':>9} {'train':>6} {'warm s/pt':>9} {'train':>6} {'ratio':>6}")
+    summary = []
+    for recipe in exp.spec.grid.recipe:
+        for mode in exp.spec.grid.mode:
+            med = {}
+            for kind, pts in runs.items():
+                mine = [x for x in pts if (x["recipe"], x["mode"]) == (recipe, mode)]
+                med[kind] = (statistics.median(x["s"] for x in mine), statistics.median(x["train_s"] for x in mine),
+                             sum(x["status"] != "ok" for x in mine))
+            (cs, ct, cf), (ws, wt, wf) = med["cold"], med["warm"]
+            summary.append({"recipe": recipe, "mode": mode, "cold_s": cs, "cold_train_s": ct, "warm_s": ws,
+                            "warm_train_s": wt, "ratio": cs / ws, "not_ok": cf + wf})
+            print(f"{recipe:8} {mode:4} {cs:9.2f} {ct / cs:6.0%} {ws:9.2f} {wt / ws:6.0%} {cs / ws:5.1f}x"
+                  + (f"  ({cf + wf} points not ok)" if cf + wf else ""))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"steps": a.steps, "reps": a.reps, "summary": summary, "points": runs},
+                                          indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""A warm training worker: `python -m testbed.train.serve --inbox DIR --id N` runs point after point in one
+process, so torch, DDP and dynamo are imported once per host and sweep instead of once per point.
+
+Protocol (files in DIR, which the controller, testbed/experiments/warm.py, and the host both see):
+  N-K.json   the controller's K-th request (K = 0, 1, ...): {"argv": the worker's arguments with --out,
+             "env": RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...} or {"stop": true}
+  N-K.done   the answer, once the point's process groups are destroyed: {"code": the worker's exit code}
+A point runs exactly as `python -m testbed.train.worker ARGV` would (worker.Worker, its files in --out, its log
+in --out/worker-rank{R}.log), from a state reset from the point's seed: environment, RNGs, thread count,
+dynamo's caches; the model, optimizer, data order and process groups are the point's own. After a point that
+did not end ok or diverged, or whose process groups did not come down, the service exits after answering and
+the controller starts a fresh one. It exits too when the controller is gone (new parent, DIR removed).
+"""
+
+import argparse
+import faulthandler
+import gc
+import itertools
+import json
+import os
+import random
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch._dynamo  # noqa: F401 (what DDP imports: paid once)
+import torch.nn.parallel  # noqa: F401
+
+from testbed.train import common, worker
+
+POLL_S = 0.02
+
+
+def request_path(inbox, sid, k):
+    return Path(inbox) / f"{sid}-{k}.json"
+
+
+def answer_path(inbox, sid, k):
+    return Path(inbox) / f"{sid}-{k}.done"
+
+
+@contextmanager
+def output_to(path):
+    """stdout and stderr (file descriptors 1 and 2: gloo's C++ output and faulthandler's too) into `path`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, target in zip(saved, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def fresh_state(args):
+    """What a point could inherit from the one before it in this process, set as a fresh worker has it."""
+    random.seed(args.seed)
+    np.random.seed(args.seed % 2**32)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(False)
+    worker.set_threads(args)
+    torch._dynamo.reset()
+
+
+def serve_point(msg, base_env):
+    """Run one point; (exit code, whether its process groups came down)."""
+    os.environ.clear()
+    os.environ.update({**base_env, **msg["env"]})
+    try:
+        args = worker.parse(msg["argv"])
+    except SystemExit as e:  # argparse: the launcher checks the arguments first, so this is a bug
+        return int(e.code or common.EXIT_USAGE), True
+    os.makedirs(args.out, exist_ok=True)
+    with output_to(common.log_path(args.out, os.environ.get("RANK", "0"))):
+        fresh_state(args)
+        w = worker.Worker(args)
+        code = w.run_safely()
+        closed = w.close()
+    del w
+    gc.collect()  # the groups' sockets and the store go now, not at some later point
+    return code, closed
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m testbed.train.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--inbox", required=True, help="directory of requests and answers")
+    p.add_argument("--id", required=True, help="this service's name in the inbox")
+    a = p.parse_args(argv)
+    faulthandler.enable()  # on file descriptor 2: a point's log while it runs
+    inbox, parent, base_env = Path(a.inbox), os.getppid(), dict(os.environ)
+    for k in itertools.count():
+        req = request_path(inbox, a.id, k)
+        while not req.exists():
+            if os.getppid() != parent or not inbox.is_dir():
+                os._exit(0)
+            time.sleep(POLL_S)
+        msg = json.loads(req.read_text())
+        if msg.get("stop"):
+            break
+        code, closed = serve_point(msg, base_env)
+        common.write_json_atomic(answer_path(inbox, a.id, k), {"code": code})
+        print(f"point {k}: exit {code}" + ("" if closed else ", process groups did not come down"), flush=True)
+        if not closed or code not in (common.EXIT_OK, common.EXIT_DIVERGED):
+            break
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

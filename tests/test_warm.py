@@ -1,0 +1,129 @@
+"""Warm points (testbed/experiments/warm.py, testbed/train/serve.py): a point run warm, on a topology and worker
+services that earlier points used, gives what it gives cold (fresh topology, fresh workers): the same per-step
+parameter hashes and the same flips. A worker killed in the middle of a warm sweep fails its point only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from test_experiments import leftovers_named
+from testbed.experiments.runner import run_experiment
+from testbed.experiments.spec import Experiment
+from testbed.fileio import read_jsonl
+
+pytestmark = pytest.mark.privileged
+
+
+def experiment(tmp_path: Path, name: str, grid: str, steps: int = 3, extra: str = "") -> Experiment:
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(f"""name: {name}
+model: tiny
+steps: {steps}
+topologies: {{ddp: {ROOT}/topologies/pair.yaml, pp: {ROOT}/topologies/pair.yaml}}
+recipes: {{process: {{train: {{injector: process}}}}}}
+grid: {{{grid}, scope: [tensor], checksum: [fix]}}
+train: {{batch_size: 4, seq_len: 32, eval_every: 2, timeout: 15}}
+{extra}""")
+    return Experiment.load(f)
+
+
+def services(out: Path) -> list[int]:
+    """Worker services of the sweep into `out` still running (their inbox is under it)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if "testbed.train.serve" in cmd and str(out) in cmd:
+            found.append(int(p.name))
+    return found
+
+
+def outcome(out: Path) -> dict:
+    """Per point: status, flips and bits seen, and every rank's per-step parameter hashes."""
+    got = {}
+    for row in read_jsonl(out / "results.jsonl"):
+        run = out / row["run_dir"]
+        hashes = {m.name: [(r["step"], r["param_sha256"]) for r in read_jsonl(m)]
+                  for m in sorted(run.glob("metrics-rank*.jsonl"))}
+        got[row["point"]] = {"status": row["status"], "flipped": row["bits_flipped"], "seen": row["bits_seen"],
+                             "hashes": hashes}
+    return got
+
+
+def cold_and_warm(tmp_path: Path, exp: Experiment) -> tuple[dict, dict]:
+    cold, warm = tmp_path / "cold", tmp_path / "warm"
+    run_experiment(exp, cold, cold=True, log=lambda m: None)
+    run_experiment(exp, warm, log=lambda m: None)
+    prefix = f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
+    assert not leftovers_named(prefix) and not services(warm)
+    a, b = outcome(cold), outcome(warm)
+    assert set(a) == set(b) and all(p["status"] == "ok" and p["hashes"] for p in a.values()), a
+    return a, b
+
+
+def test_wire_points_at_ber0_are_the_same_cold_and_warm(tmp_path):
+    # DDP then PP, two seeds each: every warm point but the first of a mode follows one on the same workers
+    cold, warm = cold_and_warm(tmp_path, experiment(tmp_path, "wzero", "mode: [ddp, pp], ber: [0], seed: [1, 2]"))
+    assert cold == warm
+    assert all(p["flipped"] == 0 and p["seen"] > 0 for p in warm.values())
+
+
+def test_process_injector_points_are_the_same_cold_and_warm(tmp_path):
+    # the local services carry DDP's points into PP's: one world size, one group
+    exp = experiment(tmp_path, "wproc", "recipe: [process], mode: [ddp, pp], ber: [0, 1e-4], seed: [1, 2]", steps=2)
+    cold, warm = cold_and_warm(tmp_path, exp)
+    assert cold == warm
+    assert all(p["flipped"] > 0 for k, p in warm.items() if "ber1e-4" in k)
+
+
+@pytest.mark.xfail(reason="the engines key flips by the flow's 4-tuple, and gloo's ports are ephemeral: the same "
+                          "point gets other flips on every run, cold or warm, until the engines' stable flow keying "
+                          "(built in parallel) lands", strict=False)
+def test_wire_points_with_flips_are_the_same_cold_and_warm(tmp_path):
+    cold, warm = cold_and_warm(tmp_path, experiment(tmp_path, "wflip", "mode: [ddp], ber: [0, 1e-4], seed: [1]"))
+    assert all(p["flipped"] > 0 for k, p in warm.items() if "ber1e-4" in k)
+    assert cold == warm
+
+
+def test_a_worker_killed_mid_sweep_fails_its_point_only(tmp_path):
+    exp = experiment(tmp_path, "wkill", "mode: [ddp], ber: [0], seed: [1, 2, 3]", steps=40)
+    out = tmp_path / "out"
+    run = out / "points" / "ddp-ber0-tensor-fix-s2"
+    killed, done = [], threading.Event()
+
+    def kill_when_training():  # rank 1's worker, once it has logged two steps of the second point
+        import json
+
+        while not done.is_set() and not killed:
+            try:
+                if len(read_jsonl(run / "metrics-rank1.jsonl")) >= 2:
+                    pid = json.loads((run / "status-rank1.json").read_text())["pid"]
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.02)
+
+    t = threading.Thread(target=kill_when_training, daemon=True)
+    t.start()
+    try:
+        rows = {r["point"]: r for r in run_experiment(exp, out, log=lambda m: None)}
+    finally:
+        done.set()
+        t.join()
+    assert killed, "the second point never reached step 2"
+    assert rows["ddp-ber0-tensor-fix-s1"]["status"] == "ok"
+    assert rows["ddp-ber0-tensor-fix-s2"]["status"] in ("crashed", "invalid"), rows["ddp-ber0-tensor-fix-s2"]
+    assert "SIGKILL" in rows["ddp-ber0-tensor-fix-s2"]["reason"]
+    assert rows["ddp-ber0-tensor-fix-s3"]["status"] == "ok" and rows["ddp-ber0-tensor-fix-s3"]["steps_completed"] == 40
+    assert not services(out)
+    assert not leftovers_named(f"{exp.spec.name[:8]}{os.getpid() % 10000}-")
