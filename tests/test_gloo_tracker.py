@@ -222,6 +222,10 @@ def test_real_streams_exact(dirs):
         assert not t.desynced, (x.mode, t.desync_reason)
         assert got == x.expected, x.mode
         assert t.frontier == len(x.stream)
+        before = 0  # shift_of: s - shift_of(s) is the number of eligible bytes before s (the engine's flip key)
+        for s, e in got:
+            assert s - t.shift_of(s) == before and e - 1 - t.shift_of(e - 1) == before + e - s - 1, x.mode
+            before += e - s
         data = [f for f in x.frames if f.is_data]
         assert t.frames == len(x.frames) and t.data_frames == len(data)
         payload = sum(f.length for f in data)

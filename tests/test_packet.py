@@ -465,7 +465,8 @@ def test_live_switch_to_offset_keyed_restarts_streams():
 
 def test_live_switch_tensor_keep_to_fix_keys_flips_from_the_switch():
     """tensor+keep follows offsets (the tracker needs them) but draws from the link model; turning fix on
-    starts each flow's offset-keyed flips at its current offset, not at 0 (no gap generated)."""
+    starts each flow's offset-keyed flips at its current offset, not at 0 (no gap generated). Tensor flips are
+    keyed by the eligible offset: the stream offset less the handshake and the frame header before it."""
     c = corruptor(ber=1e-3, seed=14, scope="tensor", checksum="keep")
     c.process(memoryview(tcp_bytes(b"", seq=99, flags="S")))
     payload = np.random.default_rng(14).bytes(200000)
@@ -475,10 +476,11 @@ def test_live_switch_tensor_keep_to_fix_keys_flips_from_the_switch():
     flow = next(iter(c.flows.values()))
     assert flow.okf is None and flow.top == cut
     c.set(checksum="fix")
-    assert flow.keyed_from == cut and flow.tracker is not None
+    keyed = cut - 8 - 48
+    assert flow.keyed_from == keyed == flow.tracker.eligible_bytes
     seen, flipped = c.counters.bits_seen, c.counters.bits_flipped
     out = send_stream(c, stream[cut:], 100 + cut)
-    assert flow.okf._stored < 1000 and flow.okf._floor == cut * 8
+    assert flow.okf._stored < 1000 and flow.okf._floor == keyed * 8
     assert c.counters.bits_seen - seen == (len(stream) - cut) * 8
     assert bit_diff(out, stream[cut:]) == c.counters.bits_flipped - flipped > 0
     # a retransmission from before the switch: no flips (counted as forgotten), the same ranges
@@ -554,3 +556,65 @@ def test_tensor_keep_maps_flips_over_several_ranges():
         pos += 48 + len(p)
     assert bit_diff(out, stream) == c.counters.bits_flipped > 0
     assert c.counters.bits_seen == 8 * sum(len(p) for p in frames)
+
+
+# -- reproducible identity (docs/engine.md, "Seeds and reproducibility") -----------------------------------------
+
+def notify_frame(code: int) -> bytes:
+    return struct.pack("<6Q", 48, 3, code << 56, 0, 4096, 0)
+
+
+def gloo_connection(c: Corruptor, frames: list[bytes], sport: int, isn: int) -> bytes:
+    """A gloo connection (SYN, handshake, ``frames``) through ``c``; returns the payload bytes out."""
+    c.process(memoryview(tcp_bytes(b"", seq=isn, flags="S", sport=sport)))
+    return send_stream(c, struct.pack("<q", 1) + b"".join(frames), isn + 1, sport=sport)
+
+
+def tensor_bytes(out: bytes, frames: list[bytes]) -> bytes:
+    """The data frames' payload bytes of a stream ``out`` made of the handshake and ``frames``."""
+    pos, got = 8, bytearray()
+    for f in frames:
+        if struct.unpack_from("<Q", f, 8)[0] < 2:
+            got += out[pos + 48:pos + len(f)]
+        pos += len(f)
+    return bytes(got)
+
+
+def test_flips_do_not_depend_on_ports_isn_or_where_notifications_fall():
+    """Two runs of one gloo connection: other ephemeral port, other ISN, a notification elsewhere between the data
+    frames. The engine keys the flips on (addresses, ordinal, eligible offset): the tensor bytes get the same
+    flips."""
+    rng = np.random.default_rng(3)
+    data = [rng.bytes(30000) for _ in range(3)]
+    one = [gloo_frame(data[0], 0x04), notify_frame(0x04), gloo_frame(data[1], 0x04), gloo_frame(data[2], 0x04)]
+    two = [notify_frame(0x04), gloo_frame(data[0], 0x04), gloo_frame(data[1], 0x04), notify_frame(0x04),
+           gloo_frame(data[2], 0x04)]
+    runs = []
+    for frames, sport, isn in ((one, 40000, 99), (two, 51234, 7_000_000)):
+        c = corruptor(ber=1e-4, seed=21, scope="tensor")
+        runs.append((tensor_bytes(gloo_connection(c, frames, sport, isn), frames), c.counters.bits_flipped))
+    (a, fa), (b, fb) = runs
+    assert fa == fb > 0 and a == b != b"".join(data)
+
+
+def test_ordinals_per_address_pair_and_reuse_after_close():
+    """Concurrent connections between two addresses get ordinals 0, 1 (different flips); once the first is
+    closed (FIN) the next connection takes its ordinal again, and with it the same flips."""
+    c = corruptor(ber=1e-3, seed=22, scope="payload")
+    payload = bytes(20000)
+
+    def connection(sport: int, isn: int):
+        c.process(memoryview(tcp_bytes(b"", seq=isn, flags="S", sport=sport)))
+        return c.flows[next(k for k in c.flows if (k[8] << 8 | k[9]) == sport)], send_stream(c, payload, isn + 1,
+                                                                                              sport=sport)
+
+    f0, out0 = connection(40000, 10)
+    f1, out1 = connection(40001, 5000)
+    assert (f0.ordinal, f1.ordinal) == (0, 1) and out0 != out1
+    c.process(memoryview(tcp_bytes(b"", seq=20011, flags="FA", sport=40000)))
+    f2, out2 = connection(40002, 123456)
+    assert f2.ordinal == 0 and out2 == out0
+    assert f2.identity() == (0, f0.key[:8] + bytes(4))
+    c.process(memoryview(tcp_bytes(b"m" * 100, seq=1, sport=40003)))  # first seen mid-stream: the 4-tuple
+    mid = c.flows[next(k for k in c.flows if (k[8] << 8 | k[9]) == 40003)]
+    assert mid.ordinal is None and mid.identity() == (0, mid.key)

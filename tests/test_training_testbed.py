@@ -49,9 +49,9 @@ def run(tb, out, mode, seed, ber, scope="tensor", **kw):
     return train(tb.name, cfg(mode, seed, **kw), out, ber=ber, scope=scope, log=quiet)
 
 
-# Where the engines' flips land is random (their streams are keyed by each connection's ports), so every check of
-# a flip count below is a statistical bound: runs see > 1e7 eligible bits at BER >= 1e-5, >= 100 flips expected,
-# P(no flip) < e^-100. Tensor scope flips only tensor values, never gloo's framing, and the trainers skip a
+# Where the engines' flips land is pseudo-random (drawn from the links' seeds, the same in every run of a
+# topology: tests/test_reproducible.py), so every check of a flip count below is a statistical bound: runs see
+# > 1e7 eligible bits at BER >= 1e-5, >= 100 flips expected, P(no flip) < e^-100. Tensor scope flips only tensor values, never gloo's framing, and the trainers skip a
 # non-finite step, so `ok` does not depend on where they land.
 def assert_completed_with_corruption(s):
     assert s["status"] == "ok", s

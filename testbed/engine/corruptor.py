@@ -5,7 +5,8 @@ can be tested (and fuzzed) without a queue.
 Which model draws the flips:
 
 - TCP with checksum ``fix`` and scope ``payload``/``tensor``: ``OffsetKeyedFlips`` per flow direction,
-  keyed by the stream offset from the ISN (or the first sequence number seen). A retransmitted byte range
+  keyed by the flow's identity (addresses and ordinal, not ports: ``FlowState.identity``) and the stream
+  offset from the ISN (or the first sequence number seen). A retransmitted byte range
   gets the same flips as the first time and is not counted twice, so the bytes the application reads carry
   exactly ``bits_flipped`` errors.
 - everything else (``keep``, UDP, scope ``all``): one sequential model per engine (= per link direction).
@@ -50,6 +51,11 @@ log = logging.getLogger(__name__)
 # Seed-derivation tags, so the link model and the per-flow models never share a stream.
 _TAG_LINK = 1
 _TAG_FLOW = 2
+
+
+def _no_shift(_offset: int) -> int:
+    """Scope payload keys flips by the stream offset itself."""
+    return 0
 
 
 def offset_keyed(scope: str, checksum: str) -> bool:
@@ -207,7 +213,9 @@ class Corruptor:
                 flow.forget_stream()
             elif restart_flips:
                 flow.okf = None
-                flow.keyed_from = flow.top
+                # where the new flips start, in the offsets they are keyed by (eligible ones in scope tensor)
+                keyed = self.scope == "tensor" and flow.tracker is not None
+                flow.keyed_from = flow.tracker.eligible_bytes if keyed else flow.top
 
     # -- per packet --------------------------------------------------------------------------------------------
 
@@ -269,6 +277,8 @@ class Corruptor:
         plen = total - pay
         seq = (pkt[ihl + 4] << 24) | (pkt[ihl + 5] << 16) | (pkt[ihl + 6] << 8) | pkt[ihl + 7]
         off, new_stream = flow.stream_offset(seq, flags, plen)
+        if new_stream:
+            self.flows.number(flow)  # its flips' identity, stable from run to run (flows.FlowState.identity)
         if new_stream and self.scope == "tensor":
             tracker = flow.tracker = GlooStreamTracker(flow.initiator)
             tracker.codes = self._codes  # computed once per setting, not per flow
@@ -302,7 +312,8 @@ class Corruptor:
             return self._sequential_ranges(flow, pkt, off, pay, ranges, ihl, total, info)
         okf = flow.okf
         if okf is None:
-            okf = flow.okf = OffsetKeyedFlips(self._build(_TAG_FLOW, flow.conn, *flow_key_ints(flow.key)),
+            number, ident = flow.identity()
+            okf = flow.okf = OffsetKeyedFlips(self._build(_TAG_FLOW, number, *flow_key_ints(ident)),
                                               start=flow.keyed_from << 3)
         forgotten = okf.forgotten_bits
         if ranges is None:  # payload scope, whole segment
@@ -318,12 +329,15 @@ class Corruptor:
             if not r.positions.size:
                 return None
             return self._emit(pkt, pay, r.positions, IPPROTO_TCP, ihl, total, info)
+        # tensor scope: keyed by the eligible offset (s - shift), stable whatever the notifications between frames
+        shift = flow.tracker.shift_of if self.scope == "tensor" else _no_shift
         if self._protecting:
-            parts = self._protected_keyed(flow, okf, off, ranges)
+            parts = self._protected_keyed(flow, okf, off, ranges, shift)
         else:
             parts = []
             for s, e in ranges:
-                r = okf.flips_at(s << 3, (e - s) << 3)
+                k = s - shift(s)
+                r = okf.flips_at(k << 3, (e - s) << 3)
                 c.bits_seen += r.new_bits
                 c.bits_flipped += r.new_flips
                 c.retransmitted_bits += r.retx_bits
@@ -331,7 +345,7 @@ class Corruptor:
                 if r.positions.size:
                     if r.new_flips and self.scope == "tensor":
                         self._count_fields(r.positions, (s - flow.tracker.origin_of(s)) << 3,
-                                           self._new_mask(okf, r, s << 3))
+                                           self._new_mask(okf, r, k << 3))
                     parts.append(r.positions + ((s - off) << 3))
         c.forgotten_bits += okf.forgotten_bits - forgotten
         if not parts:
@@ -438,7 +452,7 @@ class Corruptor:
             if self._residual:
                 idx = np.flatnonzero(prot)
                 offsets = within[idx] + (base if np.isscalar(base) else base[idx])
-                keep[idx] = residual_keep(flow_salt(self.seed, flow.conn, flow.key), offsets, self._residual)
+                keep[idx] = residual_keep(flow_salt(self.seed, *flow.identity()), offsets, self._residual)
         if new is False:  # retransmitted bits only: the same flips again, counted apart
             return keep
         if keep is None:
@@ -452,14 +466,15 @@ class Corruptor:
         self._add_fields_of(slots[applied])
         return keep
 
-    def _protected_keyed(self, flow: FlowState, okf: OffsetKeyedFlips, off: int, ranges) -> list:
+    def _protected_keyed(self, flow: FlowState, okf: OffsetKeyedFlips, off: int, ranges, shift) -> list:
         """Offset-keyed flips over aligned ranges ``(start, end, origin)`` with protection: the positions to
-        flip (payload-relative bits), per range; counters as in ``_tcp_stream`` plus the protection's."""
+        flip (payload-relative bits), per range, keyed by the eligible offset ``start - shift(start)``;
+        counters as in ``_tcp_stream`` plus the protection's."""
         c = self.counters
         layout = self.layout
         parts = []
         for s, e, o in ranges:
-            sb = s << 3
+            sb = (s - shift(s)) << 3
             r = okf.flips_at(sb, (e - s) << 3)
             grid = (s - o) << 3
             c.bits_seen += r.new_bits

@@ -1,6 +1,11 @@
 """Per flow-direction state: TCP stream offsets (from the ISN seen in the SYN, or the first sequence number
 seen), the offset-keyed flips, the gloo tracker, whether the flow is excluded (control ports), and what the
-flow table needs to pick flows to forget (closed, last seen)."""
+flow table needs to pick flows to forget (closed, last seen).
+
+A flow's flips are keyed on its ``identity()``, stable from run to run: for a connection whose SYN passed this
+engine, the two addresses and its ordinal among the open connections between them in this direction
+(``FlowTable.number``), never the ephemeral ports; for a flow first seen mid-stream, the 4-tuple
+(docs/engine.md, "Seeds and reproducibility")."""
 
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ class FlowState:
     """One direction of one flow (a 4-tuple as it passes this engine)."""
 
     __slots__ = ("key", "excluded", "base", "top", "okf", "keyed_from", "tracker", "initiator", "conn",
-                 "desync_counted", "closed", "last")
+                 "ordinal", "desync_counted", "closed", "last")
 
     def __init__(self, key: bytes, excluded: bool):
         self.key = key
@@ -49,6 +54,7 @@ class FlowState:
         self.tracker = None  # GlooStreamTracker (scope tensor), only for flows whose SYN was seen
         self.initiator: bool | None = None
         self.conn = 0  # connection number on this 4-tuple (a new SYN restarts the stream)
+        self.ordinal: int | None = None  # FlowTable.number, given at the SYN; None: first seen mid-stream
         self.desync_counted = False
         self.closed = False  # a FIN or RST went by (and no SYN since): forgotten first when the table is full
         self.last = 0  # when the flow was last seen (the engine's packet count): LRU order for the table
@@ -59,7 +65,15 @@ class FlowState:
         self.tracker = None
         self.initiator = None
         self.conn += 1
+        self.ordinal = None
         self.desync_counted = False
+
+    def identity(self) -> tuple[int, bytes]:
+        """What the flow's flips are keyed on: (number, 12-byte key). With a SYN seen: (``ordinal``, the two
+        addresses and port pair 0, which TCP never uses); first seen mid-stream: (``conn``, the 4-tuple)."""
+        if self.ordinal is None:
+            return self.conn, self.key
+        return self.ordinal, self.key[:8] + b"\0\0\0\0"
 
     def forget_stream(self) -> None:
         """Forget the stream position and the offset-keyed flips: the next packet starts the stream afresh
@@ -103,6 +117,22 @@ class FlowTable(dict):
     def __init__(self, max_flows: int = 65536):
         super().__init__()
         self.max_flows = max_flows
+        self.pairs: dict[bytes, dict[int, FlowState]] = {}  # address pair -> ordinal -> flow holding it
+
+    def number(self, flow: FlowState) -> int:
+        """Give a connection whose SYN just passed its ``ordinal``: the lowest one not held by another open
+        connection (no FIN or RST seen, still in the table) between the same two addresses in this direction.
+        Connections between two hosts opened in a deterministic order (gloo's pairs, one per process group)
+        get the same ordinals in every run, also on a topology that stays up (the last run's are closed)."""
+        held = self.pairs.setdefault(flow.key[:8], {})
+        i = 0
+        while True:
+            f = held.get(i)
+            if f is None or f is flow or f.closed or f.ordinal != i or self.get(f.key) is not f:
+                held[i] = flow
+                flow.ordinal = i
+                return i
+            i += 1
 
     def add(self, flow: FlowState) -> FlowState:
         if len(self) >= self.max_flows:
@@ -115,8 +145,15 @@ class FlowTable(dict):
         flows = list(self.values())
         if n >= len(flows):
             self.clear()
+            self.pairs.clear()
             return
         order = np.fromiter((f.last if f.closed else f.last + _OPEN for f in flows), dtype=np.int64,
                             count=len(flows))
         for i in np.argpartition(order, n)[:n].tolist():
-            del self[flows[i].key]
+            f = flows[i]
+            del self[f.key]
+            held = self.pairs.get(f.key[:8])
+            if held is not None and held.get(f.ordinal) is f:
+                del held[f.ordinal]
+                if not held:
+                    del self.pairs[f.key[:8]]

@@ -203,7 +203,7 @@ class GlooStreamTracker:
     __slots__ = (
         "initiator", "codes", "max_frame_bytes", "history_bytes", "max_ooo_bytes",
         "_frontier", "_state", "_need", "_payload_end", "_pay_ok", "_hbuf",
-        "_rec_s", "_rec_e", "_rec_o", "_rec_head", "_horizon", "_pending", "_pending_bytes", "_origin",
+        "_rec_s", "_rec_e", "_rec_o", "_rec_d", "_rec_head", "_horizon", "_pending", "_pending_bytes", "_origin",
         "frames", "data_frames", "eligible_bytes", "payload_bytes", "header_bytes",
         "retransmitted_bytes", "ooo_bytes", "stale_bytes", "desynced", "desync_reason",
         "handshake", "bytes_by_collective",
@@ -230,6 +230,7 @@ class GlooStreamTracker:
         self._rec_s: list[int] = []
         self._rec_e: list[int] = []
         self._rec_o: list[int] = []  # origin of each recorded frame (see eligible_aligned)
+        self._rec_d: list[int] = []  # shift of each recorded frame (see shift_of)
         self._rec_head = 0
         self._horizon = 0  # the record is complete for offsets >= horizon
         self._pending: dict[int, bytes] = {}  # out-of-order bytes beyond frontier: start -> data
@@ -297,6 +298,19 @@ class GlooStreamTracker:
         if i >= 0 and pos < self._rec_e[i]:
             return self._rec_o[i]
         return pos
+
+    def shift_of(self, pos: int) -> int:
+        """Stream offset minus eligible offset of the recorded eligible byte ``pos``: ``pos - shift_of(pos)``
+        is the number of eligible bytes before it in this direction. Unlike the stream offset it does not depend
+        on where gloo's notifications (timing-dependent) fall between the data frames, so the engine keys tensor
+        flips on it (docs/engine.md, "Seeds and reproducibility"). 0 for a byte no longer in the record."""
+        rs = self._rec_s
+        i = len(rs) - 1
+        if i < 0 or pos < rs[i]:  # not in the current (last recorded) frame: look it up
+            i = bisect_right(rs, pos) - 1
+        if i >= 0 and pos < self._rec_e[i]:
+            return self._rec_d[i]
+        return 0
 
     def stats(self) -> dict:
         return {
@@ -475,14 +489,15 @@ class GlooStreamTracker:
             # prepareRead); an unbound buffer's is the receiver's recv offset, not on the wire, and gloo and
             # torch send whole values from a value-aligned offset, so the frame starts a value.
             origin = self._origin = f - fields[5] if opcode == OP_SEND_BUFFER else f
-            if ok:
-                self._record(f, f + length, origin)
+            if ok:  # eligible bytes before this frame: self.eligible_bytes
+                self._record(f, f + length, origin, f - self.eligible_bytes)
         self._frontier = f
 
-    def _record(self, s: int, e: int, origin: int) -> None:
+    def _record(self, s: int, e: int, origin: int, shift: int) -> None:
         self._rec_s.append(s)
         self._rec_e.append(e)
         self._rec_o.append(origin)
+        self._rec_d.append(shift)
         limit = s - self.history_bytes
         rs, re_ = self._rec_s, self._rec_e
         h = self._rec_head
@@ -493,5 +508,6 @@ class GlooStreamTracker:
             del rs[:h]
             del re_[:h]
             del self._rec_o[:h]
+            del self._rec_d[:h]
             h = 0
         self._rec_head = h

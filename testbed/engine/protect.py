@@ -138,7 +138,9 @@ class BitLayout:
 
 
 def flow_salt(seed: int, conn: int, key: bytes) -> int:
-    """A 64-bit salt for one flow direction's residual decisions: (seed, connection number, 4-tuple) mixed."""
+    """A 64-bit salt for one flow direction's residual decisions: (seed, connection number, 12-byte key) mixed
+    (the engine passes ``FlowState.identity()``: ordinal and addresses, or for a flow first seen mid-stream its
+    connection number on the 4-tuple and the 4-tuple)."""
     x = _mix64(int(seed) & _M64)
     x = _mix64(x ^ int(conn))
     return _mix64(x ^ int.from_bytes(key[:8], "big")) ^ int.from_bytes(key[8:12], "big")
