@@ -85,9 +85,6 @@ def test_process_injector_points_are_the_same_cold_and_warm(tmp_path):
     assert all(p["flipped"] > 0 for k, p in warm.items() if "ber1e-4" in k)
 
 
-@pytest.mark.xfail(reason="the engines key flips by the flow's 4-tuple, and gloo's ports are ephemeral: the same "
-                          "point gets other flips on every run, cold or warm, until the engines' stable flow keying "
-                          "(built in parallel) lands", strict=False)
 def test_wire_points_with_flips_are_the_same_cold_and_warm(tmp_path):
     cold, warm = cold_and_warm(tmp_path, experiment(tmp_path, "wflip", "mode: [ddp], ber: [0, 1e-4], seed: [1]"))
     assert all(p["flipped"] > 0 for k, p in warm.items() if "ber1e-4" in k)

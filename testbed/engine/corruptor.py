@@ -132,10 +132,12 @@ class Corruptor:
                 "control_ports": sorted(self.control_ports), "element": self.element,
                 "protect": list(self.protect) if self.protect else None, "protected_ber": self.protected_ber}
 
-    def set(self, **settings) -> dict:
+    def set(self, restart: bool = False, **settings) -> dict:
         """Change settings live (keys: ``SETTABLE``; None values are ignored). Raises ValueError, changing
         nothing, if a value is invalid. Returns the settings now in force. What happens to existing flows:
-        ``_settle_flows`` (docs/engine.md, "Live changes and existing flows")."""
+        ``_settle_flows`` (docs/engine.md, "Live changes and existing flows"). ``restart``: then start over as
+        an engine started with these settings would (seed generation 0, no flow known: connections opened
+        from now on get the flips a fresh engine gives them), so a warm sweep's point is its cold twin."""
         settings = {k: v for k, v in settings.items() if v is not None}
         unknown = set(settings) - set(SETTABLE)
         if unknown:
@@ -180,6 +182,10 @@ class Corruptor:
             self.control_ports = ports
             for flow in self.flows.values():
                 flow.excluded = self._is_control(flow.key)
+        if restart:
+            self._generation = 0
+            self.flows = FlowTable()
+            self.link_model = self._build(_TAG_LINK)
         return self.settings()
 
     def _settle_flows(self, old_scope: str, old_keyed: bool, old_tracks: bool, rebuild: bool, codes) -> None:

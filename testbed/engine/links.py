@@ -257,19 +257,19 @@ class LinkEngines:
         names = [d for d in names if self.is_local(self.topo.engine_node(l, d))]  # the other machine's are its own
         changed = []
         handles = self.handles()
+        given = {k: v for k, v in settings.items() if v is not None and k != "restart"}  # restart: not a setting
         for key, h in handles.items():
             if key.split("/")[0] == l.name and key.split("/")[1] in names:
                 # validate the whole resulting configuration first: a refused setting is bad input (exit 2),
                 # and nothing changes on any direction
-                EngineSpec.from_dict({**h.spec.to_dict(), **{k: v for k, v in settings.items() if v is not None}}
-                                     ).validate()
+                EngineSpec.from_dict({**h.spec.to_dict(), **given}).validate()
         for d in names:
             key = f"{l.name}/{d}"
             if key in handles:
                 set_engine(handles[key], **settings)
             else:
-                base = l.direction(d)[3].to_dict()
-                base.update({k: v for k, v in settings.items() if v is not None})
+                base = l.direction(d)[3].to_dict()  # a new engine starts afresh anyway
+                base.update(given)
                 base["ber"] = base.get("ber") or 0.0
                 for k in ("collectives", "protect"):  # lists in to_dict and in settings, tuples in the dataclass
                     base[k] = tuple(base[k]) if base.get(k) else None

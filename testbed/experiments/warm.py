@@ -103,7 +103,8 @@ def set_links(tb, topo) -> None:
                 continue
             tb.set_link(link.name, d, ber=imp.ber or 0.0, error_model=imp.error_model, scope=imp.scope,
                         checksum=imp.checksum, seed=imp.seed, collectives=list(imp.collectives or []),
-                        element=imp.element, protect=list(imp.protect or []), protected_ber=imp.protected_ber)
+                        element=imp.element, protect=list(imp.protect or []), protected_ber=imp.protected_ber,
+                        restart=True)  # the flips a fresh engine gives: the point is its cold twin
 
 
 class WarmSweep:

@@ -441,6 +441,9 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
     """Change settings live (ber, error_model, scope, checksum, seed, control_ports). A change of checksum moves
     the program (see the module docstring). Returns the settings now in force; EngineError if refused."""
     settings = {k: v for k, v in settings.items() if v is not None}
+    # restart (a warm sweep's next point): a new epoch. The program's flips are one stream per direction in
+    # packet order (docs/engine.md, "Seeds and reproducibility"), so there is no fresh engine's stream to go back to
+    restart = bool(settings.pop("restart", False))
     for k, default in (("collectives", None), ("element", "fp32"), ("protect", None), ("protected_ber", 0.0)):
         v = settings.pop(k, None)
         if v not in (None, [], (), default, 0, 0.0):
@@ -461,7 +464,7 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
             raise _error(f"engine refused {settings}: {e}") from e
         new = settings_of(probe)
         rebuild = new["error_model"] != cur["error_model"] or new["seed"] != cur["seed"]
-        new_epoch = rebuild or new["ber"] != cur["ber"]
+        new_epoch = rebuild or restart or new["ber"] != cur["ber"]
         generation = side.get("generation", 0) + (1 if rebuild else 0)
         version = side.get("version", 1) + 1
         pin_dir = Path(side.get("pin_dir") or pins.pin_dir_for(spec.stats_file))
