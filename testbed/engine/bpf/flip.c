@@ -55,7 +55,7 @@ enum {
 	C_PACKETS, C_BYTES, C_MODIFIED, C_MULTIFLIP, C_UNPARSED,
 	C_U_SHORT, C_U_NOT_IPV4, C_U_BAD_IHL, C_U_BAD_LENGTH, C_U_FRAGMENT, C_U_NOT_TCP_UDP, C_U_BAD_L4,
 	C_ERRORS, C_RETX_BITS, C_FLOWS, C_FLOWS_EXCLUDED, C_GSO, C_KEEP_GSO_PASSED, C_OVERRUNS,
-	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_N
+	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_GSO_BITS, C_GSO_FLIPS, C_KEEP_DROPPED, C_N
 };
 #define NCOUNTERS 32
 
@@ -145,6 +145,10 @@ struct pctx {
 	__u32 pulled;
 	__u32 err;
 	__u32 overrun;
+	__u32 udp;
+	__u32 keep;      /* checksum keep (else fix) */
+	__u32 gso;       /* a GSO super-packet (its bits and flips are counted apart: realized BER per class) */
+	__u32 nocsum;    /* UDP without a checksum (0): nothing to fail */
 };
 
 
@@ -204,6 +208,21 @@ struct {
 	__type(key, struct flow_key);
 	__type(value, struct flow);
 } tb_flows SEC(".maps");
+
+/* The flip applier, a second program reached by a tail call only for packets whose bits hold flips. It writes the
+ * flipped bytes directly into the packet; a program that writes packet data directly gets a prologue from the
+ * verifier that unclones every cloned skb it runs on (TCP's are: the original stays in the retransmission
+ * queue), so the writes live there and not in tb_flip, which every packet runs. */
+int tb_apply(struct __sk_buff *skb);
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, 1);
+	__uint(key_size, sizeof(__u32));
+	__array(values, int (void *));
+} tb_progs SEC(".maps") = {
+	.values = { [0] = (void *)&tb_apply },
+};
 
 #define READ_ONCE(x) (*(volatile typeof(x) *)&(x))
 
@@ -375,28 +394,34 @@ static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u6
 		}
 	}
 	{
-		/* direct packet read (a write would make the verifier unclone every packet in a prologue) */
+		/* direct packet access: after the pull the whole skb is linear and private (tb_apply's prologue
+		 * uncloned it, if tb_flip had not pulled already) */
 		__u8 *data = (__u8 *)(long)skb->data, *dend = (__u8 *)(long)skb->data_end, *p;
 		__u32 o = off & 0xffff;
 
 		/* the verifier sets a packet range only for offsets + size <= 0xffff: the last bytes of a 64 KB
-		 * packet take the helper */
+		 * packet take the helpers */
 		p = data + o;
 		if (o == off && o < 0xffff && p + 1 <= dend) {
 			b = *p;
-		} else if (bpf_skb_load_bytes(skb, off, &b, 1)) {
-			x->err = 1;
-			return;
+			*p = b ^ mask;
+		} else {
+			if (bpf_skb_load_bytes(skb, off, &b, 1)) {
+				x->err = 1;
+				return;
+			}
+			b ^= mask;
+			if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
+				x->err = 1;
+				return;
+			}
+			b ^= mask;
 		}
 	}
-	/* 16-bit words as the kernel sums them (little-endian loads): an even offset is the low byte */
+	/* 16-bit words as the kernel sums them (little-endian loads): an even offset is the low byte; b is the
+	 * byte before the flip */
 	m = (off & 1) ? ((__u64)mask << 8) : mask;
 	dd = (b & mask) ? (0xffff ^ m) : m;
-	b ^= mask;
-	if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
-		x->err = 1;
-		return;
-	}
 	x->applied++;
 	if (off >= x->l4) {
 		x->d_l4 += dd;
@@ -484,7 +509,7 @@ int tb_flip(struct __sk_buff *skb)
 	__u64 ver, now = 0, s, e, nbits, idx0;
 	__u32 l3 = ETH_HLEN, n, ihl, total, l4h, start, csum_off, skip = 0, excluded = 0;
 	__u8 h[20], t[20], proto;
-	int fast, udp;
+	int fast, sure, udp;
 
 	if (!cf || !st || !cn)
 		return TC_ACT_OK;
@@ -618,13 +643,16 @@ int tb_flip(struct __sk_buff *skb)
 	fast = st->gen_pos == s && st->next_flip >= e && st->soj_end >= e;
 	if (fast)
 		st->gen_pos = e;
+	/* a flip certainly falls in this packet (the stream is drawn up to it and the next flip is inside) */
+	sure = st->gen_pos == s && st->next_flip < e && st->next_flip < st->soj_end;
 	bpf_spin_unlock(&st->lock);
+	if (skb->gso_size)
+		cn->v[C_GSO_BITS] += nbits;
 	if (fast)
 		return TC_ACT_OK;  /* no flip in this packet: the common case */
 
 	{
 		struct pctx *x = bpf_map_lookup_elem(&tb_scratch, &zero);
-		struct lctx lc = {.skb = skb};
 
 		if (!x) {
 			cn->v[C_ERRORS] += 1;
@@ -640,53 +668,100 @@ int tb_flip(struct __sk_buff *skb)
 		x->csum_off = csum_off;
 		x->end = l3 + total;
 		x->fix_all = c->checksum == CSUM_FIX && c->scope == SCOPE_ALL;
-		if (bpf_loop(MAX_STEPS, step, &lc, 0) >= MAX_STEPS)
-			x->err = 1;  /* not finished: flips counted but not applied (needs > 4 Mi events in a packet) */
-		if (x->err)
-			cn->v[C_ERRORS] += 1;
-		if (x->overrun)
-			cn->v[C_OVERRUNS] += 1;
-		cn->v[C_SHARED] += x->shared;
-		if (!x->flips)
-			return TC_ACT_OK;
-		cn->v[C_MODIFIED] += 1;
-		if (x->flips > 1)
-			cn->v[C_MULTIFLIP] += 1;
-		cn->v[C_FLIPS_APPLIED] += x->applied;
-		cn->v[C_FLIPS_ON_CSUM] += x->on_csum;
-		if (c->checksum == CSUM_FIX) {
-			__u64 f = udp ? BPF_F_MARK_MANGLED_0 : 0, d;
+		x->udp = udp;
+		x->keep = c->checksum == CSUM_KEEP;
+		x->gso = skb->gso_size != 0;
+		x->nocsum = udp && !t[6] && !t[7];
+		/* Linear and private before the applier runs, so that its unclone prologue has nothing to do. Only
+		 * where a flip is sure: another packet's flips in flight make it unsure, and the applier pulls at its
+		 * first flip then. */
+		if (sure) {
+			x->pulled = 1;
+			if (bpf_skb_pull_data(skb, skb->len))
+				x->err = 1;
+		}
+		bpf_tail_call(skb, &tb_progs, 0);
+		/* not reached unless the applier is missing: its flips are drawn and counted, not applied */
+		cn->v[C_ERRORS] += 1;
+	}
+	return TC_ACT_OK;
+}
 
-			/* A CHECKSUM_PARTIAL skb (locally sent, offloaded) holds the pseudo-header sum: the helper
-			 * leaves it alone for payload changes (the checksum is completed over the corrupted bytes,
-			 * or never checked); a complete checksum is updated. */
-			d = fold(x->d_l4);
-			if (d && d != 0xffff)
-				bpf_l4_csum_replace(skb, csum_off, 0, (__u32)d, f);
-			d = fold(x->d_ps);
-			if (d && d != 0xffff)
-				bpf_l4_csum_replace(skb, csum_off, 0, (__u32)d, f | BPF_F_PSEUDO_HDR);
-			if (x->iphdr) {  /* recompute the IPv4 header checksum as the (corrupted) header describes it */
-				__u8 ip[60] = {};
-				__u8 b0;
-				__u32 hl;
-				__u16 sum;
+/* The rest of a packet that the stream may flip: the bpf_loop of steps, then checksums and counters. */
+SEC("tc")
+int tb_apply(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct counters *cn = bpf_map_lookup_elem(&tb_counters, &zero);
+	struct pctx *x = bpf_map_lookup_elem(&tb_scratch, &zero);
+	struct lctx lc = {.skb = skb};
+	__u32 l3, csum_off;
 
-				if (!bpf_skb_load_bytes(skb, l3, &b0, 1)) {
-					hl = (b0 & 0x0f) << 2;
-					if (hl >= 20 && hl <= 60 && l3 + hl <= skb->len &&
-					    !bpf_skb_load_bytes(skb, l3, ip, hl)) {
-						ip[10] = 0;
-						ip[11] = 0;
-						sum = ~(__u16)fold((__u32)bpf_csum_diff(0, 0, (void *)ip, hl, 0));
-						bpf_skb_store_bytes(skb, l3 + 10, &sum, 2, 0);
-					}
+	if (!cn || !x)
+		return TC_ACT_OK;
+	if (bpf_loop(MAX_STEPS, step, &lc, 0) >= MAX_STEPS)
+		x->err = 1;  /* not finished: flips counted but not applied (needs > 4 Mi events in a packet) */
+	if (x->err)
+		cn->v[C_ERRORS] += 1;
+	if (x->overrun)
+		cn->v[C_OVERRUNS] += 1;
+	cn->v[C_SHARED] += x->shared;
+	if (!x->flips)
+		return TC_ACT_OK;
+	cn->v[C_MODIFIED] += 1;
+	if (x->gso)
+		cn->v[C_GSO_FLIPS] += x->flips;
+	if (x->flips > 1)
+		cn->v[C_MULTIFLIP] += 1;
+	cn->v[C_FLIPS_APPLIED] += x->applied;
+	cn->v[C_FLIPS_ON_CSUM] += x->on_csum;
+	l3 = x->l3;
+	csum_off = x->csum_off;
+	if (!x->keep) {
+		__u64 f = x->udp ? BPF_F_MARK_MANGLED_0 : 0, d;
+
+		/* A CHECKSUM_PARTIAL skb (locally sent, offloaded) holds the pseudo-header sum: the helper
+		 * leaves it alone for payload changes (the checksum is completed over the corrupted bytes,
+		 * or never checked); a complete checksum is updated. */
+		d = fold(x->d_l4);
+		if (d && d != 0xffff)
+			bpf_l4_csum_replace(skb, csum_off, 0, (__u32)d, f);
+		d = fold(x->d_ps);
+		if (d && d != 0xffff)
+			bpf_l4_csum_replace(skb, csum_off, 0, (__u32)d, f | BPF_F_PSEUDO_HDR);
+		if (x->iphdr) {  /* recompute the IPv4 header checksum as the (corrupted) header describes it */
+			__u8 ip[60] = {};
+			__u8 b0;
+			__u32 hl;
+			__u16 sum;
+
+			if (!bpf_skb_load_bytes(skb, l3, &b0, 1)) {
+				hl = (b0 & 0x0f) << 2;
+				if (hl >= 20 && hl <= 60 && l3 + hl <= skb->len &&
+				    !bpf_skb_load_bytes(skb, l3, ip, hl)) {
+					ip[10] = 0;
+					ip[11] = 0;
+					sum = ~(__u16)fold((__u32)bpf_csum_diff(0, 0, (void *)ip, hl, 0));
+					bpf_skb_store_bytes(skb, l3 + 10, &sum, 2, 0);
 				}
 			}
-		} else {
-			/* keep: the sender's checksum stays; make the stack verify it (CHECKSUM_UNNECESSARY -> NONE) */
-			bpf_csum_level(skb, BPF_CSUM_LEVEL_RESET);
 		}
+	} else {
+		/* keep: the sender's checksum stays, and the frame is dropped here exactly when the receiver's check
+		 * of it would fail: when the ones'-complement change of the L4 bytes and pseudo-header fields is not
+		 * 0 (mod 0xffff; +0 and -0 are the checksum's blind spot: cancelling flips). A CHECKSUM_PARTIAL skb
+		 * (sent with transmit checksum offload on: its field holds only the pseudo-header sum) is never
+		 * verified by the receiving stack, and no helper turns it into CHECKSUM_NONE; for a frame with a
+		 * complete checksum the decision is the stack's own. What passes goes on as a frame whose check
+		 * succeeded (CHECKSUM_UNNECESSARY -> NONE: the stack verifies it too); the IPv4 header checksum is
+		 * always verified by the stack. */
+		__u64 d = fold(x->d_l4 + x->d_ps);
+
+		if (d && d != 0xffff && !x->nocsum) {
+			cn->v[C_KEEP_DROPPED] += 1;
+			return TC_ACT_SHOT;
+		}
+		bpf_csum_level(skb, BPF_CSUM_LEVEL_RESET);
 	}
 	return TC_ACT_OK;
 }
