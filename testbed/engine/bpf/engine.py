@@ -426,7 +426,7 @@ def _stats(spec: EngineSpec, side: dict, pin_dir: Path) -> dict:
         "packets_gso": cn["packets_gso"], "keep_gso_passed": cn["keep_gso_passed"],
         "ring_overruns": cn["ring_overruns"], "flips_on_checksum": cn["flips_on_checksum"],
         "flips_applied": cn["flips_applied"], "ring_shared": cn["ring_shared"],
-        "bits_gso": cn["bits_gso"], "flips_gso": cn["flips_gso"], "keep_dropped": cn["keep_dropped"], "bits_reserved": st["cursor"],
+        "bits_gso": cn["bits_gso"], "flips_gso": cn["flips_gso"], "bits_reserved": st["cursor"],
         "bad_sojourns": st["bad_sojourns"],
         "bad_sojourn_bits": st["bad_sojourn_bits"], "epochs_lost": st["epochs_lost"],
         "config_version": version, "config_applied": st["applied"],

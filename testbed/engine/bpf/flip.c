@@ -15,7 +15,10 @@
  *     (absolute stream positions). Whoever needs positions generates them, also for earlier packets still
  *     in flight on another CPU, so generation never waits for anyone;
  *   - each packet then reads its own flips from the ring (outside the lock: helpers may not be called
- *     under it) and applies them with bpf_skb_store_bytes (the whole skb, GSO super-packets included).
+ *     under it) and writes them directly into the packet, linearized once by bpf_skb_pull_data (the whole
+ *     skb, GSO super-packets included). That part is a second program, tb_apply, reached by a tail call only
+ *     for packets the stream may flip: direct packet writes give a program an unclone prologue, which in
+ *     tb_flip would cost every (cloned: TCP) packet.
  *
  * Gap sampling is exact: a Geometric variable G - 1 = sum_k 2^k B_k has independent binary digits B_k with
  * P(B_k = 1) = q^(2^k) / (1 + q^(2^k)), q = 1 - p. Userspace tabulates these probabilities as 64-bit
@@ -55,7 +58,7 @@ enum {
 	C_PACKETS, C_BYTES, C_MODIFIED, C_MULTIFLIP, C_UNPARSED,
 	C_U_SHORT, C_U_NOT_IPV4, C_U_BAD_IHL, C_U_BAD_LENGTH, C_U_FRAGMENT, C_U_NOT_TCP_UDP, C_U_BAD_L4,
 	C_ERRORS, C_RETX_BITS, C_FLOWS, C_FLOWS_EXCLUDED, C_GSO, C_KEEP_GSO_PASSED, C_OVERRUNS,
-	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_GSO_BITS, C_GSO_FLIPS, C_KEEP_DROPPED, C_N
+	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_GSO_BITS, C_GSO_FLIPS, C_N
 };
 #define NCOUNTERS 32
 
@@ -142,13 +145,12 @@ struct pctx {
 	__u32 l3, l4, csum_off, end;
 	__u32 fix_all;   /* fix + scope all: flips on checksum fields are drawn and counted, not applied */
 	__u32 iphdr;     /* an IP header byte was flipped */
-	__u32 pulled;
+	__u32 pulled;    /* pulls done: the first up to the flip's byte, the second the whole packet */
 	__u32 err;
 	__u32 overrun;
 	__u32 udp;
 	__u32 keep;      /* checksum keep (else fix) */
 	__u32 gso;       /* a GSO super-packet (its bits and flips are counted apart: realized BER per class) */
-	__u32 nocsum;    /* UDP without a checksum (0): nothing to fail */
 };
 
 
@@ -375,6 +377,15 @@ static __always_inline void generate(struct state *st, struct cfg *c, struct rin
 	st->rng = rng;
 }
 
+/* byte `off` is not in the skb's linear part (or past the verifier's packet range) */
+static __always_inline int beyond_linear(struct __sk_buff *skb, __u32 off)
+{
+	__u8 *data = (__u8 *)(long)skb->data, *dend = (__u8 *)(long)skb->data_end;
+	__u32 o = off & 0xffff;
+
+	return o != off || o >= 0xffff || data + o + 1 > dend;
+}
+
 static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u64 q)
 {
 	__u32 off = x->base + (__u32)(q >> 3);
@@ -387,15 +398,19 @@ static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u6
 		x->on_csum++;  /* the checksum is made valid anyway (as the NFQUEUE engine overwrites it) */
 		return;
 	}
-	if (!x->pulled) {
-		x->pulled = 1;
-		if (bpf_skb_pull_data(skb, skb->len)) {  /* linear and private once, not per flip */
+	if (beyond_linear(skb, off)) {
+		/* Beyond the linear part: make it linear (and private) up to this byte the first time, all of it the
+		 * second. The pull copies what it makes linear, so a packet with one flip (most at low BERs) copies
+		 * half of itself on average, not all; a packet with many flips pays one small extra copy. */
+		__u32 n = x->pulled ? skb->len : off + 1;
+
+		x->pulled++;
+		if (bpf_skb_pull_data(skb, n))
 			x->err = 1;
-		}
 	}
 	{
-		/* direct packet access: after the pull the whole skb is linear and private (tb_apply's prologue
-		 * uncloned it, if tb_flip had not pulled already) */
+		/* direct packet access: the linear part is private after a pull (tb_apply's prologue uncloned the skb,
+		 * if tb_flip had not pulled already) */
 		__u8 *data = (__u8 *)(long)skb->data, *dend = (__u8 *)(long)skb->data_end, *p;
 		__u32 o = off & 0xffff;
 
@@ -506,7 +521,7 @@ int tb_flip(struct __sk_buff *skb)
 	struct state *st = bpf_map_lookup_elem(&tb_state, &zero);
 	struct counters *cn = bpf_map_lookup_elem(&tb_counters, &zero);
 	struct cfg *c;
-	__u64 ver, now = 0, s, e, nbits, idx0;
+	__u64 ver, now = 0, s, e, nbits, idx0, nf;
 	__u32 l3 = ETH_HLEN, n, ihl, total, l4h, start, csum_off, skip = 0, excluded = 0;
 	__u8 h[20], t[20], proto;
 	int fast, sure, udp;
@@ -644,7 +659,8 @@ int tb_flip(struct __sk_buff *skb)
 	if (fast)
 		st->gen_pos = e;
 	/* a flip certainly falls in this packet (the stream is drawn up to it and the next flip is inside) */
-	sure = st->gen_pos == s && st->next_flip < e && st->next_flip < st->soj_end;
+	nf = st->next_flip;
+	sure = st->gen_pos == s && nf < e && nf < st->soj_end;
 	bpf_spin_unlock(&st->lock);
 	if (skb->gso_size)
 		cn->v[C_GSO_BITS] += nbits;
@@ -671,13 +687,16 @@ int tb_flip(struct __sk_buff *skb)
 		x->udp = udp;
 		x->keep = c->checksum == CSUM_KEEP;
 		x->gso = skb->gso_size != 0;
-		x->nocsum = udp && !t[6] && !t[7];
-		/* Linear and private before the applier runs, so that its unclone prologue has nothing to do. Only
-		 * where a flip is sure: another packet's flips in flight make it unsure, and the applier pulls at its
-		 * first flip then. */
+		/* Private (and linear up to the first flip) before the applier runs, so that its unclone prologue
+		 * has nothing to do. Only where a flip is sure: another packet's flips in flight make it unsure, and
+		 * the applier pulls at its first flip then. */
 		if (sure) {
+			__u32 n = start + (__u32)((nf - s) >> 3) + 1;
+
+			if (n > skb->len)
+				n = skb->len;
 			x->pulled = 1;
-			if (bpf_skb_pull_data(skb, skb->len))
+			if (bpf_skb_pull_data(skb, n))
 				x->err = 1;
 		}
 		bpf_tail_call(skb, &tb_progs, 0);
@@ -747,20 +766,7 @@ int tb_apply(struct __sk_buff *skb)
 			}
 		}
 	} else {
-		/* keep: the sender's checksum stays, and the frame is dropped here exactly when the receiver's check
-		 * of it would fail: when the ones'-complement change of the L4 bytes and pseudo-header fields is not
-		 * 0 (mod 0xffff; +0 and -0 are the checksum's blind spot: cancelling flips). A CHECKSUM_PARTIAL skb
-		 * (sent with transmit checksum offload on: its field holds only the pseudo-header sum) is never
-		 * verified by the receiving stack, and no helper turns it into CHECKSUM_NONE; for a frame with a
-		 * complete checksum the decision is the stack's own. What passes goes on as a frame whose check
-		 * succeeded (CHECKSUM_UNNECESSARY -> NONE: the stack verifies it too); the IPv4 header checksum is
-		 * always verified by the stack. */
-		__u64 d = fold(x->d_l4 + x->d_ps);
-
-		if (d && d != 0xffff && !x->nocsum) {
-			cn->v[C_KEEP_DROPPED] += 1;
-			return TC_ACT_SHOT;
-		}
+		/* keep: the sender's checksum stays; make the stack verify it (CHECKSUM_UNNECESSARY -> NONE) */
 		bpf_csum_level(skb, BPF_CSUM_LEVEL_RESET);
 	}
 	return TC_ACT_OK;
