@@ -273,6 +273,7 @@ def test_an_unreachable_machine_and_a_bad_key_give_clear_errors_and_build_nothin
         assert_nothing_left(ms, name)
 
 
+@pytest.mark.slow  # 35-70 s of SSH round trips; the latency bench runs locally in make test (test_bench.py)
 def test_bench_latency_across_two_machines(machines, tmp_path):
     """`testbed bench latency --machines FILE`: the topology file is placed across the machines for the
     measurement and removed after. 16 KB round trips over the tunnelled link h1-h2 (engines on both machines,
