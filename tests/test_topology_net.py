@@ -372,3 +372,24 @@ def test_namespaces_are_made_in_a_thread_without_forking(monkeypatch, tmp_path):
     assert nsutil.list_testbed_netns(topo) == [] and not leftovers(topo)
     assert not any(_mounted(nsutil.ns_path(n)) for n in names)
 
+
+def test_teardown_sweeps_only_the_recorded_runtime(monkeypatch):
+    """`down` of a topology whose state file names its runtime sweeps that runtime only (a netns topology never
+    asks the docker daemon); without that record (an `up` killed before its first write) it sweeps them all."""
+    from testbed import clean
+    from testbed.runtime.base import RUNTIMES
+    from testbed.state import State, claim
+
+    swept = []
+    for name, cls in RUNTIMES.items():
+        monkeypatch.setattr(cls, "delete_all", lambda self, topology=None, _n=name: swept.append(_n) or [])
+    name = unique_name("sweeprt")
+    claim(name)
+    State.new(name, runtime="netns")
+    clean.teardown(name, save_stats=False)
+    assert swept == ["netns"]
+    swept.clear()
+    claim(name)  # the state directory alone: what a SIGKILL right after `up` claimed the name leaves
+    clean.teardown(name, save_stats=False)
+    assert swept == list(RUNTIMES)
+    assert not leftovers(name)
