@@ -93,7 +93,11 @@ def in_thread(fn):
 
     t = threading.Thread(target=run, name="testbed-netns", daemon=True)
     t.start()
-    t.join()
+    try:
+        t.join()
+    except BaseException:  # Ctrl-C: let the thread finish (milliseconds), or it would create a namespace after
+        t.join()  # the caller's rollback removed this topology's
+        raise
     if "error" in box:
         raise box["error"]
     return box["result"]
