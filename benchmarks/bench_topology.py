@@ -79,7 +79,8 @@ def time_mininet(n: int, runs: int) -> dict | None:
         u, d = map(float, line.split()[1:3])
         ups.append(u)
         downs.append(d)
-    subprocess.run(["mn", "-c"], capture_output=True)
+    # No `mn -c` afterwards: net.stop() removed what the run made, and `mn -c` kills every `ping` (and other
+    # tools) on the machine and empties /tmp/*.log, others' as well. After a failed run, clean up by hand.
     return {"up_s": statistics.median(ups), "down_s": statistics.median(downs),
             "total_s": statistics.median(u + d for u, d in zip(ups, downs)), "runs": runs}
 

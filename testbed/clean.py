@@ -45,8 +45,13 @@ def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None 
                 get_runtime(runtime_name).delete(Host.from_dict(hd))
             except Exception as e:  # keep going: the sweeps below still remove the rest
                 final.setdefault("errors", []).append(f"host {hd.get('node')}: {e}")
-    # Hosts by label/prefix in every runtime, also those a killed `up` created before it could record them.
+    # Hosts by label/prefix, also those a killed `up` created before it could record them: in the runtime its
+    # state file names (written before anything was created, so no other runtime can hold hosts of this `up`),
+    # in every runtime when there is no such record (no state file, or one an `up` killed at once left empty).
+    recorded = st.data.get("runtime") if st is not None else None
     for rt in all_runtimes():
+        if recorded is not None and rt.name != recorded:
+            continue  # e.g. no docker SDK import and daemon round trip for a topology of namespaces
         try:
             rt.delete_all(name)
         except Exception as e:  # only the topology's own runtime can hold something that failed to go

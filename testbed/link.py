@@ -10,7 +10,7 @@ import contextlib
 import functools
 import shutil
 
-from pyroute2 import NetNS
+from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from testbed import nsutil
@@ -22,9 +22,10 @@ VXLAN_OVERHEAD = 50  # outer Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8 bytes
 BRIDGE = "br0"
 
 
-# Opening a netlink socket inside a namespace costs ~10 ms (pyroute2 forks a helper to get it); building a
-# topology makes hundreds of changes, so `batched()` keeps one socket per namespace open for a whole build.
-_open_sockets: dict[str, NetNS] | None = None
+# Opening a netlink socket inside a namespace costs a thread (nsutil.iproute); building a topology makes hundreds of
+# changes, so `batched()` keeps one socket per namespace open for a whole build (and the bridges' indexes).
+_open_sockets: dict[str, IPRoute] | None = None
+_bridge_index: dict[tuple[str, str], int] = {}
 
 
 @contextlib.contextmanager
@@ -40,29 +41,44 @@ def batched():
         for sock in _open_sockets.values():
             sock.close()
         _open_sockets = None
+        _bridge_index.clear()
 
 
 @contextlib.contextmanager
 def _netns(path: str):
     if _open_sockets is None:
-        with NetNS(path) as n:
+        with nsutil.iproute(path) as n:
             yield n
         return
     if path not in _open_sockets:
-        _open_sockets[path] = NetNS(path)
+        _open_sockets[path] = nsutil.iproute(path)
     yield _open_sockets[path]
 
 
-def add_veth(ns_a: str, if_a: str, ns_b: str, if_b: str, mtu: int) -> None:
+def _bridge(n: IPRoute, ns: str, bridge: str) -> int:
+    """The index of `bridge` in namespace `ns` (remembered while batching: a bridge keeps its index)."""
+    if _open_sockets is None:
+        return n.link_lookup(ifname=bridge)[0]
+    key = (ns, bridge)
+    if key not in _bridge_index:
+        _bridge_index[key] = n.link_lookup(ifname=bridge)[0]
+    return _bridge_index[key]
+
+
+def add_veth(ns_a: str, if_a: str, ns_b: str, if_b: str, mtu: int, bridge_a: str | None = None,
+             bridge_b: str | None = None) -> None:
     """A veth pair created directly with one end in each namespace: nothing ever appears in the root
-    namespace, so names cannot collide with the host's own interfaces."""
+    namespace, so names cannot collide with the host's own interfaces. Both ends get `mtu` and come up; an
+    end with a bridge (`bridge_a`, `bridge_b`: a bridge of that end's namespace) becomes its port."""
     with _netns(ns_a) as a:
-        a.link("add", ifname=if_a, kind="veth", peer={"ifname": if_b, "net_ns_fd": ns_b})
-        idx = a.link_lookup(ifname=if_a)[0]
-        a.link("set", index=idx, mtu=mtu, state="up")
+        # One request: end a up with its MTU (and master), the peer with its MTU (a peer's flags and master
+        # cannot be given at creation: the kernel applies neither).
+        kw = {"master": _bridge(a, ns_a, bridge_a)} if bridge_a else {}
+        a.link("add", ifname=if_a, kind="veth", mtu=mtu, state="up", **kw,
+               peer={"ifname": if_b, "net_ns_fd": ns_b, "mtu": mtu})
     with _netns(ns_b) as b:
-        idx = b.link_lookup(ifname=if_b)[0]
-        b.link("set", index=idx, mtu=mtu, state="up")
+        kw = {"master": _bridge(b, ns_b, bridge_b)} if bridge_b else {}
+        b.link("set", ifname=if_b, state="up", **kw)  # by name: the kernel looks it up
 
 
 def add_vxlan(ns: str, ifname: str, vni: int, remotes: list[str], port: int, mtu: int) -> None:
@@ -112,9 +128,7 @@ def add_bridge(ns: str, name: str = BRIDGE) -> None:
 
 def enslave(ns: str, iface: str, bridge: str = BRIDGE) -> None:
     with _netns(ns) as n:
-        br = n.link_lookup(ifname=bridge)[0]
-        idx = n.link_lookup(ifname=iface)[0]
-        n.link("set", index=idx, master=br)
+        n.link("set", ifname=iface, master=_bridge(n, ns, bridge))
 
 
 def set_offloads(ns: str, iface: str, offloads: dict[str, bool]) -> None:
@@ -157,7 +171,7 @@ def apply_impairment(ns: str, iface: str, imp: LinkImpairment, mtu: int) -> None
 @functools.lru_cache(maxsize=1)
 def netem_available() -> bool:
     """Probe for sch_netem in a throwaway namespace (never on the host's own interfaces)."""
-    with nsutil.scratch_netns("probe") as path, NetNS(path) as n:
+    with nsutil.scratch_netns("probe") as path, nsutil.iproute(path) as n:
         try:
             n.tc("add", "netem", n.link_lookup(ifname="lo")[0], handle="1:", delay=1000)
             return True

@@ -149,20 +149,24 @@ class Testbed(BaseTestbed):
                 continue
             port = f"p{i}"
             # over a tunnelled management segment, frames must fit the tunnel
-            link.add_veth(netns_of[h], MGMT_IFNAME, mgmt_ns, port, 1500 - VXLAN_OVERHEAD if part else 1500)
-            link.enslave(mgmt_ns, port)
+            link.add_veth(netns_of[h], MGMT_IFNAME, mgmt_ns, port, 1500 - VXLAN_OVERHEAD if part else 1500,
+                          bridge_b=link.BRIDGE)
             link.add_address(netns_of[h], MGMT_IFNAME, str(topo.plan.mgmt[h]))
+
+        def bridge(ep):  # a switch's end is a port of its bridge
+            return link.BRIDGE if topo.nodes[ep.node].kind == "switch" else None
 
         for l in topo.links:
             ends = [ep for ep in (l.a, l.b) if local(ep.node)]
             if len(ends) == 2:
-                link.add_veth(netns_of[l.a.node], l.a.iface, netns_of[l.b.node], l.b.iface, l.mtu)
+                link.add_veth(netns_of[l.a.node], l.a.iface, netns_of[l.b.node], l.b.iface, l.mtu,
+                              bridge_a=bridge(l.a), bridge_b=bridge(l.b))
             elif len(ends) == 1:  # the other end is on another machine: a tunnel end, the same name and role
                 t = part["tunnels"][l.name]
                 link.add_vxlan(netns_of[ends[0].node], ends[0].iface, t["vni"], [t["remote"]], t["port"], t["mtu"])
+                if bridge(ends[0]):
+                    link.enslave(netns_of[ends[0].node], ends[0].iface)
             for ep in ends:
-                if topo.nodes[ep.node].kind == "switch":
-                    link.enslave(netns_of[ep.node], ep.iface)
                 link.set_offloads(netns_of[ep.node], ep.iface, l.offloads)
         for h in topo.hosts:
             if local(h):

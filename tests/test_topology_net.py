@@ -310,3 +310,86 @@ def test_links_restored_stops_engines_started_inside(load_topology):
             assert set(tb.counters()) == {"h1-h2/h1->h2"}
         assert tb.counters() == {} and tb.status()["engines"] == []
         assert not leftovers(tb.name).get("engines")
+
+
+def _mounted(path: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+def test_namespaces_are_made_in_a_thread_without_forking(monkeypatch, tmp_path):
+    """nsutil's namespace creation (network and UTS) runs in a short-lived thread: no process is started, the
+    caller's own namespaces are untouched (also when it is not the main thread), the namespace has lo up and
+    the host sysctls, and removing it leaves nothing."""
+    import threading
+
+    from testbed import nsutil
+
+    topo = unique_name("nsmake")
+    names = [nsutil.ns_name(topo, h) for h in ("h1", "h2")]
+    mine = os.readlink("/proc/thread-self/ns/net"), os.readlink("/proc/thread-self/ns/uts")
+    hostname = os.uname().nodename
+
+    def no_process(*a, **kw):
+        raise AssertionError("a process was started")
+
+    try:
+        with monkeypatch.context() as m:
+            for mod, attr in ((os, "fork"), (os, "posix_spawn"), (subprocess.Popen, "_execute_child")):
+                m.setattr(mod, attr, no_process)
+            path1 = nsutil.create_netns(names[0])
+            box = {}  # from a thread other than the main one (/proc/self would name the main thread's namespace)
+            t = threading.Thread(target=lambda: box.update(path=nsutil.create_netns(names[1])))
+            t.start()
+            t.join()
+            path2 = box["path"]
+            uts = tmp_path / "uts-h1"
+            uts.touch()
+            nsutil.create_uts(str(uts), "h1")
+            with nsutil.iproute(path1) as ip:
+                links = {l.get("ifname"): l for l in ip.get_links()}
+        assert (os.readlink("/proc/thread-self/ns/net"), os.readlink("/proc/thread-self/ns/uts")) == mine
+        assert os.uname().nodename == hostname
+        inodes = {os.stat(p).st_ino for p in (path1, path2, "/proc/self/ns/net")}
+        assert len(inodes) == 3, "each path is a namespace of its own, not this process's"
+        assert list(links) == ["lo"] and links["lo"]["flags"] & 1, links  # only lo, and up
+        for path in (path1, path2):
+            for key, value in nsutil.HOST_SYSCTLS.items():
+                r = nsutil.nsexec(path, ["sysctl", "-n", key])
+                assert r.stdout.strip() == value, (path, key)
+            r = nsutil.nsexec(path, ["ip", "-o", "-6", "addr", "show"])
+            assert r.stdout.strip() == "", "no IPv6 address, not even on lo"
+        r = subprocess.run(["nsenter", f"--uts={uts}", "hostname"], capture_output=True, text=True)
+        assert r.stdout.strip() == "h1"
+        with pytest.raises(FileExistsError):
+            nsutil.create_netns(names[0])  # refused, and the namespace there is left as it was
+        assert os.stat(path1).st_ino in inodes and _mounted(path1)
+        nsutil.unmount(str(uts))
+        assert not _mounted(str(uts))
+    finally:
+        for n in names:
+            nsutil.remove_netns(n)
+    assert nsutil.list_testbed_netns(topo) == [] and not leftovers(topo)
+    assert not any(_mounted(nsutil.ns_path(n)) for n in names)
+
+
+def test_teardown_sweeps_only_the_recorded_runtime(monkeypatch):
+    """`down` of a topology whose state file names its runtime sweeps that runtime only (a netns topology never
+    asks the docker daemon); without that record (an `up` killed before its first write) it sweeps them all."""
+    from testbed import clean
+    from testbed.runtime.base import RUNTIMES
+    from testbed.state import State, claim
+
+    swept = []
+    for name, cls in RUNTIMES.items():
+        monkeypatch.setattr(cls, "delete_all", lambda self, topology=None, _n=name: swept.append(_n) or [])
+    name = unique_name("sweeprt")
+    claim(name)
+    State.new(name, runtime="netns")
+    clean.teardown(name, save_stats=False)
+    assert swept == ["netns"]
+    swept.clear()
+    claim(name)  # the state directory alone: what a SIGKILL right after `up` claimed the name leaves
+    clean.teardown(name, save_stats=False)
+    assert swept == list(RUNTIMES)
+    assert not leftovers(name)

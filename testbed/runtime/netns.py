@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,9 +35,10 @@ class NetnsRuntime(Runtime):
         uts = uts_dir / node.name
         uts.touch()
         # A persistent UTS namespace, kept alive by its bind mount: hostname without a long-lived process.
-        r = subprocess.run(["unshare", f"--uts={uts}", "hostname", node.name], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"cannot create the UTS namespace of {node.name}: {r.stderr.strip()}")
+        try:
+            nsutil.create_uts(str(uts), node.name)
+        except OSError as e:
+            raise RuntimeError(f"cannot create the UTS namespace of {node.name}: {e}") from None
         return Host(topology=topology, node=node.name, runtime=self.name, netns=path, uts=str(uts))
 
     def exec_argv(self, host: Host, argv: list[str], env: dict | None = None) -> list[str]:
@@ -77,7 +77,7 @@ class NetnsRuntime(Runtime):
 
 def _release_uts(path: str) -> None:
     if os.path.exists(path):
-        subprocess.run(["umount", path], capture_output=True)
+        nsutil.unmount(path)
         try:
             os.unlink(path)
         except OSError:
