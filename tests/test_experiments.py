@@ -131,7 +131,7 @@ def test_a_recipe_reaches_the_engine_and_the_rows(tmp_path):
 
 
 def test_sigint_then_rerun_completes_only_missing_points(tmp_path):
-    exp = experiment(tmp_path, "intr", "0, 1e-6, 1e-5", steps=6)
+    exp = experiment(tmp_path, "intr", "0, 1e-6, 1e-5", steps=20)  # a point lasts seconds, warm or cold
     out = tmp_path / "out"
     p = subprocess.Popen([*TESTBED, "run", str(exp), "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
@@ -142,8 +142,8 @@ def test_sigint_then_rerun_completes_only_missing_points(tmp_path):
         time.sleep(0.2)
     # The runner names its topologies EXPERIMENT[:8] + its pid + "-POINT": those of this run start with
     prefix = f"intr{p.pid % 10000}-"
-    time.sleep(2.0)  # well into the second point
-    # Interrupt while a topology is up (so that the check below has something to find if SIGINT leaked it).
+    # Interrupt while a topology is up (so that the check below has something to find if SIGINT leaked it): in
+    # the second point (warm points keep the first point's topology up; a fixed sleep here could outlast the run)
     deadline = time.monotonic() + 60
     while not leftovers_named(prefix) and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
