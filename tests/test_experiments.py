@@ -131,7 +131,7 @@ def test_a_recipe_reaches_the_engine_and_the_rows(tmp_path):
 
 
 def test_sigint_then_rerun_completes_only_missing_points(tmp_path):
-    exp = experiment(tmp_path, "intr", "0, 1e-6, 1e-5", steps=20)  # a point lasts seconds, warm or cold
+    exp = experiment(tmp_path, "intr", "0, 1e-6, 1e-5", steps=60)  # the last two points outlast the checks below
     out = tmp_path / "out"
     p = subprocess.Popen([*TESTBED, "run", str(exp), "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)

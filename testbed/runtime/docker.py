@@ -344,8 +344,18 @@ class DockerRuntime(Runtime):
             c = self.client
         except RuntimeUnavailable:
             return []
+        import docker
+
+        for _ in range(5):
+            try:  # list() inspects each container it found: one may go in between (another machine's teardown
+                found = c.containers.list(all=True, filters={"label": _label_filter(topology)})  # of the topology)
+                break
+            except docker.errors.NotFound:
+                continue
+        else:
+            found = []
         gone = []
-        for ctr in c.containers.list(all=True, filters={"label": _label_filter(topology)}):
+        for ctr in found:
             _remove_container(ctr)
             gone.append(ctr.name)
         return gone
