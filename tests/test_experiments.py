@@ -133,8 +133,10 @@ def test_a_recipe_reaches_the_engine_and_the_rows(tmp_path):
 def test_sigint_then_rerun_completes_only_missing_points(tmp_path):
     exp = experiment(tmp_path, "intr", "0, 1e-6, 1e-5", steps=60)  # the last two points outlast the checks below
     out = tmp_path / "out"
+    # SIGINT at its default: a suite started in the background by a non-interactive shell has it ignored, and
+    # an ignored SIGINT is inherited, so the run would never see the Ctrl-C this test sends
     p = subprocess.Popen([*TESTBED, "run", str(exp), "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and p.poll() is None:
         if (out / "results.jsonl").exists() and len(rows_of(out)) >= 1:
