@@ -360,7 +360,7 @@ def test_main_writes_the_report(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "report.md")
     md = (tmp_path / "report.md").read_text()
-    assert "at most 1 % of the clean eval loss (tolerance recorded in the results rows)" in md
+    assert "at most 1 % of the clean eval loss (tolerance: recorded in the results rows)" in md
     assert "No DDP points" not in md and "| DDP" not in md  # what does not apply is left out
 
 
@@ -582,7 +582,7 @@ def test_tolerance_comes_from_the_rows_then_the_file():
     assert tol == 0.05 and "edited" in why
     old = [{**r, "tolerance": None} for r in rows]
     assert analysis.tolerance_of(old, 0.02)[0] == 0.02
-    assert analysis.tolerance_of(old) == (0.01, "the default (neither the rows nor an experiment file record one)")
+    assert analysis.tolerance_of(old) == (0.01, "the default; neither the rows nor an experiment file record one")
 
 
 def test_report_shows_the_rule_the_sensitivity_and_the_paired_gaps(tmp_path):
@@ -591,7 +591,7 @@ def test_report_shows_the_rule_the_sensitivity_and_the_paired_gaps(tmp_path):
     summary = md.split("## Findings")[0]
     assert summary.startswith("# Experiment quick") and "## Summary" in summary
     assert "| default | 1e-06 – 3e-06 |" in summary and "| **paper** (GPT-2 124M) | < 1e-04 |" in summary
-    assert "at most 2 % of the clean eval loss (tolerance recorded in the results rows)" in summary
+    assert "at most 2 % of the clean eval loss (tolerance: recorded in the results rows)" in summary
     assert "| config | 0.5 % | 1 % | 2 % (registered) | 5 % |" in md
     assert "| DDP tensor/fix | 1e-07 – 3e-07 | 1e-07 – 3e-07 | 1e-06 – 3e-06 | 1e-06 – 3e-06 |" in md
     assert "| DDP tensor/fix | 3e-07 | 5 | +0.000, +0.060, +0.010, +0.050, +0.030 | +0.030 | +0.054 | 0.086 | pass |" \

@@ -506,8 +506,8 @@ def tolerance_of(rows: list[dict], file_tolerance: float | None = None) -> tuple
     if recorded:
         return max(recorded), f"the largest the rows record ({', '.join(f'{v:.3g}' for v in recorded)})"
     if file_tolerance is not None:
-        return file_tolerance, "the experiment file's (the rows predate the tolerance field)"
-    return DEFAULT_TOLERANCE, "the default (neither the rows nor an experiment file record one)"
+        return file_tolerance, "the experiment file's; the rows predate the tolerance field"
+    return DEFAULT_TOLERANCE, "the default; neither the rows nor an experiment file record one"
 
 
 def interval(t: dict) -> tuple[float, float]:

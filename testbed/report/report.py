@@ -141,6 +141,9 @@ def key_table(agg: list[dict]) -> str:
                      fmt_pct(p["loss_gap_rel"]) if p["ber"] > 0 else "",
                      fmt(p["skipped_steps_mean"]), fmt(p["deviation_mean"]), fmt(p["divergence_mean"]),
                      fmt(p["bits_flipped_total"]), fmt(p["realized_ber"]), fmt(p["median_step_time_s"])])
+    if not any(p["eval_loss_n"] for p in agg):  # an experiment without evals: no eval or gap columns
+        keep = [i for i, h in enumerate(header) if h not in ("eval loss (mean ± sd)", "gap", "gap %")]
+        header, body = [header[i] for i in keep], [[row[i] for i in keep] for row in body]
     return _table(header, body)
 
 
@@ -657,7 +660,8 @@ def _setup_section(rows: list[dict], exp: dict, latency: dict | None, tolerance:
                  f"({len(rows)} results)"),
         ("Recipes", _recipes_text(exp.get("recipes") or {})),
         ("Tokens per step", _tokens_text(exp, rows)),
-        ("Verdicts", f"the paired rule at tolerance {_pct(tolerance)} of the clean eval loss ({tol_source})"),
+        ("Verdicts", f"the paired rule at tolerance {_pct(tolerance)} of the clean eval loss ({tol_source})"
+         if any(r.get("final_eval_loss") is not None for r in rows) else None),
         ("Rows", "rebuilt from summary.csv (results.jsonl was not kept): the analysis is redone, the curves are "
                  "not, so the plots are the original run's and the theory's time shift is not computed"
          if source == SUMMARY_FILE else None),
@@ -770,22 +774,23 @@ def _headline(th: dict, setup: str) -> str:
             continue
         default = next((t for t in ts if t["recipe"] == DEFAULT_RECIPE), ts[0])
         best = max(ts, key=lambda t: (t["max_ok_ber"] or 0.0, t["min_fail_ber"] or math.inf))
-        text = f"{mode_name(mode)} {default['recipe']} passes {_passes_text(default)}"
+        text = f"{mode_name(mode)} {default['recipe']} {_passes_text(default)}"
         if best is not default and (best["max_ok_ber"] or 0) > (default["max_ok_ber"] or 0):
-            text += f", {best['recipe']} {_passes_text(best)}"
+            text += f", while the most tolerant recipe, {best['recipe']}, {_passes_text(best)}"
         pub = PUBLISHED_TOLERATED_BER.get(mode)
         if pub is not None:
-            text += f" (paper: < {ber_text(pub)}, {published_verdict(default) or 'consistent'})"
+            text += f" (paper: < {ber_text(pub)}; {default['recipe']} here is {published_verdict(default) or 'consistent'})"
         parts.append(text)
-    return f"Under the paired rule, {'; '.join(parts)}, on {setup}." if parts else ""
+    return f"Under the paired rule, on {setup}: {'; '.join(parts)}." if parts else ""
 
 
 def _passes_text(t: dict) -> str:
     ok, fail = t["max_ok_ber"], t["min_fail_ber"]
     if ok is None:
-        return f"no tested BER (fails from {ber_text(fail)})"
-    return f"up to {ber_text(ok)}" + (f" and fails from {ber_text(fail)}" if fail is not None else
-                                      " (the highest tested; none failed)")
+        return f"fails already at the smallest tested BER, {ber_text(fail)}"
+    if fail is None:
+        return f"passes every tested BER, up to {ber_text(ok)}"
+    return f"passes up to {ber_text(ok)} and fails from {ber_text(fail)}"
 
 
 def _sensitivity_sentence(th: dict, tolerance: float) -> str:
@@ -817,7 +822,7 @@ def summary_section(rows: list[dict], th: dict, tolerance: float, source: str) -
     out = ["## Summary", "",
            f"Paired rule: per seed, gap = eval loss at the BER - eval loss at BER 0 with the same seed; a BER passes "
            f"when every run made progress and the one-sided {100 * BOUND_LEVEL:g} % upper bound (Student's t) of the mean "
-           f"gap is at most {_pct(tolerance)} of the clean eval loss (tolerance {source}). The threshold lies "
+           f"gap is at most {_pct(tolerance)} of the clean eval loss (tolerance: {source}). The threshold lies "
            "between the last passing and the first failing BER.", "", summary_table(th), ""]
     sentences = [_headline(th, setup)]
     ords = orderings(th)
@@ -915,7 +920,7 @@ def thresholds_section(agg: list[dict], th: dict, tolerance: float, tol_source: 
           f"and made progress (eval loss at least 1 % below the initial one), every seed has its clean run, and the "
           f"one-sided {100 * BOUND_LEVEL:g} % upper bound of the mean gap, mean + t({BOUND_LEVEL:g}, n-1) x sd / sqrt(n) "
           f"(Student's t; one seed has no bound and cannot pass), is at most the tolerance, {_pct(tolerance)} of the "
-          f"clean mean eval loss ({tol_source}). Student's t rather than a bootstrap: with a handful of seeds a "
+          f"clean mean eval loss (tolerance: {tol_source}). Student's t rather than a bootstrap: with a handful of seeds a "
           "bootstrap's upper bound never exceeds the largest observed gap. The threshold is the interval between "
           "the last passing BER (every tested BER below it passes too) and the first failing one. Theory: "
           "\"catastrophic from\" is `catastrophic_threshold_ber`, the BER at which one catastrophic fp32 value "
