@@ -608,3 +608,19 @@ def test_report_rebuilds_from_summary_csv_when_results_jsonl_was_not_kept(tmp_pa
     assert "rebuilt from summary.csv" in md and "| default | 1e-07 – 3e-07 (non-monotonic) |" in md
     assert "![Final eval loss vs BER](eval_loss_vs_ber.png)" in md
     assert (tmp_path / "eval_loss_vs_ber.png").read_bytes() == PNG_SIGNATURE and not (tmp_path / "results.jsonl").exists()
+
+
+def test_a_report_without_evals_leaves_the_threshold_sections_out_and_counts_hosts_per_recipe(tmp_path):
+    """A locate-like experiment: DDP only, every run ok without an eval loss, two recipes on their own
+    topologies (4 and 8 hosts, different tokens per step)."""
+    rows = [make_row("ddp", b, s, recipe=rc, final_eval_loss=None, world_size=n, tokens_per_step=64 * n)
+            for rc, n in (("ring4", 4), ("star8", 8)) for b in (0.0, 1e-5) for s in SEEDS]
+    exp = {"name": "locate", "topologies": {"ddp": "ring4.yaml"}, "grid": {"recipe": ["ring4", "star8"]},
+           "recipes": {"ring4": {"topology": "ring4.yaml"}, "star8": {"topology": "star8.yaml"}}}
+    md = report.write_report(tmp_path, rows=rows, latency={"results": []}, experiment=exp).read_text()
+    assert "Topologies: recipe ring4: ring4.yaml (4 hosts), recipe star8: star8.yaml (8 hosts)" in md
+    assert "Tokens per step: DDP 256/512\n" in md  # one mode: nothing to match
+    for absent in ("## Summary", "## Thresholds", "no threshold", "No PP points", "clean runs have no eval loss",
+                   "## Latency", "Verdicts:", "eval loss (mean ± sd)"):
+        assert absent not in md, absent
+    assert "| config | BER | seeds | status | skipped steps |" in md
