@@ -596,6 +596,8 @@ def test_report_shows_the_rule_the_sensitivity_and_the_paired_gaps(tmp_path):
     assert "| DDP tensor/fix | 1e-07 – 3e-07 | 1e-07 – 3e-07 | 1e-06 – 3e-06 | 1e-06 – 3e-06 |" in md
     assert "| DDP tensor/fix | 3e-07 | 5 | +0.000, +0.060, +0.010, +0.050, +0.030 | +0.030 | +0.054 | 0.086 | pass |" \
         in md
+    assert "| DDP tensor/fix | 3e-06 | 5 | +0.300, +0.250, +0.350, +0.300, +0.280 | +0.296 | +0.331 | 0.086 | " \
+           "fail: bound > tolerance |" in md
     assert "Student's t" in md and "last passing" in md
     # the rows' tolerance reaches summary.csv too
     assert "tolerance" in (tmp_path / "summary.csv").read_text().splitlines()[0].split(",")

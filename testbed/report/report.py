@@ -334,7 +334,8 @@ def paired_table(agg: list[dict], th: dict) -> str:
         body.append([_short_name(t), ber_text(p["ber"]), str(len(p["gaps"])),
                      ", ".join(fmt_signed(g, fmt_loss) for g in p["gaps"].values()) or "—",
                      fmt_signed(p["gap_mean"], fmt_loss), fmt_signed(p["gap_upper"], fmt_loss),
-                     fmt_loss(t["tolerance_abs"]), "pass" if reason is None else f"fail: {reason}"])
+                     fmt_loss(t["tolerance_abs"]), "pass" if reason is None else
+                     "fail: bound > tolerance" if reason.startswith("upper bound") else f"fail: {reason}"])
     return _table(["config", "BER", "paired seeds", "gaps (per seed)", "mean gap",
                    f"{100 * BOUND_LEVEL:g} % upper bound", "tolerance", "verdict"], body)
 
@@ -883,7 +884,8 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
                "Gap = eval loss - the clean mean of the same mode/scope/checksum (positive = worse; the verdicts "
                "use the gaps paired by seed, below). Deviation: L2 distance of the final weights from the clean run "
                "of the same seed; replica divergence (DDP): largest L2 distance of a replica from rank 0.", "",
-               key_table(agg), "", f"Full per-run values: [summary.csv]({SUMMARY_FILE}).", ""]
+               key_table(agg), "", f"Full per-run values: [summary.csv]({SUMMARY_FILE}).", "",
+               _plot_line("loss_vs_step.png", drawn), ""]
     else:
         md += ["No results: results.jsonl is missing or empty.", ""]
     md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
@@ -938,7 +940,7 @@ def thresholds_section(agg: list[dict], th: dict, tolerance: float, tol_source: 
     md += ["- " + threshold_sentence(t) for t in th.values() if t["applies"]]
     ords = orderings(th)
     md += (["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)] if ords else []) + [""]
-    return md + [_plot_line("eval_loss_vs_ber.png", drawn), "", _plot_line("loss_vs_step.png", drawn), ""]
+    return md + [_plot_line("eval_loss_vs_ber.png", drawn), ""]
 
 
 def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None = None, experiment=None) -> Path:
