@@ -879,11 +879,14 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     md += _setup_section(rows, exp, latency, tolerance, tol_source, source)
     md += ["## Results per point", ""]
     if agg:
-        md += ["Eval loss, skipped steps, deviation and divergence are means over the point's ok runs; bits flipped "
-               "and realized BER sum over all its runs; step time is the median of its runs' median step times. "
-               "Gap = eval loss - the clean mean of the same mode/scope/checksum (positive = worse; the verdicts "
-               "use the gaps paired by seed, below). Deviation: L2 distance of the final weights from the clean run "
-               "of the same seed; replica divergence (DDP): largest L2 distance of a replica from rank 0.", "",
+        evals = any(p["eval_loss_n"] for p in agg)
+        md += [("Eval loss, skipped" if evals else "Skipped") + " steps, deviation and divergence are means over the "
+               "point's ok runs; bits flipped and realized BER sum over all its runs; step time is the median of its "
+               "runs' median step times. " + ("Gap = eval loss - the clean mean of the same mode/scope/checksum "
+                                              "(positive = worse; the verdicts use the gaps paired by seed, below). "
+                                              if evals else "") +
+               "Deviation: L2 distance of the final weights from the clean run of the same seed; replica divergence "
+               "(DDP): largest L2 distance of a replica from rank 0.", "",
                key_table(agg), "", f"Full per-run values: [summary.csv]({SUMMARY_FILE}).", "",
                _plot_line("loss_vs_step.png", drawn), ""]
     else:
