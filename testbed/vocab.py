@@ -7,7 +7,8 @@ import it.
 """
 
 __all__ = ["SCOPES", "CHECKSUM_MODES", "ENGINES", "ENGINE_CHOICES", "FLOAT_FORMATS", "ELEMENT_TYPES", "WIRE_DTYPES",
-           "TORCH_DTYPE_NAMES", "PROTECT_FIELDS", "MODES", "GUARDS", "LATENCY_BERS", "DEFAULT_RECIPE", "ERROR_MODELS"]
+           "TORCH_DTYPE_NAMES", "PROTECT_FIELDS", "MODES", "GUARDS", "LATENCY_BERS", "DEFAULT_RECIPE", "ERROR_MODELS",
+           "DEFAULT_TOLERANCE"]
 
 # What a link's engine corrupts: the TCP payload, the whole frame, or only gloo's tensor bytes (docs/engine.md).
 SCOPES = ("payload", "all", "tensor")
@@ -35,3 +36,6 @@ GUARDS = ("skip", "stop", "none", "sanitize")
 LATENCY_BERS = (0.0, 1e-6, 1e-5)
 # The recipe of an experiment grid point that sets none: the file's `train:` as it is.
 DEFAULT_RECIPE = "default"
+# The paired rule's tolerance on the eval-loss gap, relative to the clean eval loss, when an experiment file sets
+# none (`tolerance:`; docs/experiments.md, "The paired rule").
+DEFAULT_TOLERANCE = 0.01

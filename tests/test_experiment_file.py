@@ -168,7 +168,7 @@ def test_fingerprints_are_per_recipe_and_unchanged_without_recipes(tmp_path):
         "recipe: [default, sanitize, protect, bf16]", "recipe: [default]"), "plain.yaml"))
     assert plain.fingerprint() == fps["default"]
     d = plain.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies", "recipes",
-                                       "tokens_per_step", "fault"})
+                                       "tokens_per_step", "fault", "tolerance"})
     for k in LATER_DEFAULTS:  # settings added since: absent from the hash at their defaults
         assert d["train"].pop(k) == LATER_DEFAULTS[k]
     d["topologies"] = {m: hashlib.sha256(PAIR.read_bytes()).hexdigest() for m in ("ddp", "pp")}
@@ -242,3 +242,27 @@ def test_tokens_per_step_errors(tmp_path, change, problem):
     with pytest.raises(InputError) as e:
         Experiment.load(write(tmp_path, text))
     assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("value, expected", [("1%", 0.01), ("0.5%", 0.005), ("0.02", 0.02), ("5 %", 0.05)])
+def test_tolerance_is_a_fraction_or_a_percentage_and_leaves_the_fingerprint(tmp_path, value, expected):
+    exp = Experiment.load(write(tmp_path, GOOD + f"tolerance: {value}\n"))
+    assert exp.spec.tolerance == pytest.approx(expected)
+    assert Experiment.load(write(tmp_path, GOOD, "plain.yaml")).spec.tolerance == 0.01  # the default: 1 %
+    # the verdict's tolerance is not part of what trains: points stay reusable (the rows record it)
+    assert exp.fingerprint() == Experiment.load(write(tmp_path, GOOD, "plain.yaml")).fingerprint()
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("0", "must lie above 0 and below 1 (100%), got 0"),
+    ("100%", "must lie above 0 and below 1 (100%), got '100%'"),
+    ("150%", "must lie between 0 and 1 (0% and 100%)"),
+    ("-1%", "must lie between 0 and 1 (0% and 100%)"),
+    ("lots", "cannot parse 'lots': write a fraction (0.01) or a percentage ('1%')"),
+    ("[1]", "expected a fraction or a percentage, got list"),
+])
+def test_bad_tolerance_exits_2_naming_the_line_and_field(tmp_path, value, problem):
+    path = write(tmp_path, GOOD + f"tolerance: {value}\n")
+    msg = refused(tmp_path, path)
+    assert msg.startswith(f"{path}:{len(GOOD.splitlines()) + 1}: tolerance: "), msg
+    assert problem in msg, msg

@@ -55,6 +55,7 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
                                    "wire_dtype", "wire_bytes_per_step", "element", "protect", "protected_ber"))
     return results.new_row(**{
         "point": point, "baseline": f"{mode}-ber0-{scope}-{checksum}{tag}-s{seed}", "experiment": "quick",
+        "tolerance": 0.01,
         "recipe": recipe, **recipe_fields,
         "fingerprint": "0123456789abcdef", "mode": mode, "ber": ber, "scope": scope, "checksum": checksum,
         "seed": seed, "model": "tiny", "steps": STEPS, "topology": "pair", "runtime": "netns", "injector": "wire", "world_size": 2,
@@ -199,8 +200,10 @@ def test_thresholds_find_the_last_passing_and_first_failing_ber():
     # DDP completes everywhere but loses 0.8 nats at 1e-4: a loss-gap failure
     assert (ddp["max_ok_ber"], ddp["min_fail_ber"]) == (1e-5, 1e-4)
     assert "gap" in ddp["failing"][1e-4]
-    # tolerance = max(2 % of the clean mean, 3 x the clean seeds' stdev)
-    assert ddp["tolerance_abs"] == pytest.approx(max(0.02 * 4.63, 3 * 0.01414), rel=1e-3)
+    # tolerance = 1 % of the clean mean (the rows' registered tolerance); the gaps per seed are equal, so the
+    # upper bound is their mean
+    assert ddp["tolerance_abs"] == pytest.approx(0.01 * 4.63, rel=1e-3)
+    assert ddp["gaps"][1e-4]["upper"] == pytest.approx(0.8) and ddp["gaps"][1e-4]["n"] == 2
     # PP: one crashed seed at 1e-5 fails the point even though the ok seed's loss is fine
     assert (pp["max_ok_ber"], pp["min_fail_ber"]) == (1e-6, 1e-5)
     assert pp["failing"][1e-5] == "1 crashed" and not pp["non_monotonic"]
@@ -210,16 +213,19 @@ def test_thresholds_find_the_last_passing_and_first_failing_ber():
         assert 1e-7 < t["theory_ber"] < 1e-4 and t["theory_basis"]
 
 
-def test_threshold_tolerance_follows_the_clean_seed_noise():
+def test_threshold_pairs_seeds_so_clean_seed_noise_cancels():
     rows = make_rows(("ddp",))
-    for r in rows:  # clean seeds 0.5 apart: 3 stdev = 1.06 nats, more than the 0.8 gap at 1e-4
-        if r["ber"] == 0 and r["seed"] == 2:
-            r["final_eval_loss"] += 0.48
+    for r in rows:  # seed 2 is 0.5 nats worse at every BER: the clean seeds differ, the paired gaps do not
+        if r["seed"] == 2:
+            r["final_eval_loss"] += 0.5
     th = analysis.thresholds(analysis.aggregate(rows))["ddp/tensor/fix"]
-    assert th["tolerance_abs"] == pytest.approx(3 * 0.5 / math.sqrt(2), rel=1e-3)
+    assert th["tolerance_abs"] == pytest.approx(0.01 * 4.88, rel=1e-3)
+    assert (th["max_ok_ber"], th["min_fail_ber"]) == (1e-5, 1e-4)
+    assert th["gaps"][1e-5]["upper"] == pytest.approx(0.0, abs=1e-12)
+    # the registered tolerance moves the verdict: at 20 % the 0.8-nat gap at 1e-4 passes
+    th = analysis.thresholds(analysis.aggregate(rows), tolerance=0.2)["ddp/tensor/fix"]
     assert (th["max_ok_ber"], th["min_fail_ber"]) == (1e-4, None)
-    assert analysis.thresholds(analysis.aggregate(rows), tolerance=0.02, n_std=0)["ddp/tensor/fix"]["min_fail_ber"] \
-        == 1e-4
+    assert th["sensitivity"][0.05] == (1e-5, 1e-4) and th["sensitivity"][0.2] == (1e-4, None)
 
 
 def test_thresholds_flag_a_ber_that_passes_again_above_a_failure():
@@ -330,12 +336,12 @@ def test_write_report_full(tmp_path):
 def test_write_report_renders_missing_data_as_sentences(tmp_path):
     empty = tmp_path / "empty"
     md = report.write_report(empty).read_text()
-    assert "No results" in md and "latency.json is missing" in md and "not drawn" in md
+    assert "No results" in md and "## Latency" not in md and "## Summary" not in md
     assert not list(empty.glob("*.png"))
 
     ddp_only = tmp_path / "ddp"
     md = report.write_report(ddp_only, rows=make_rows(("ddp",))).read_text()
-    assert "No PP points in this experiment." in md and "No latency measurements" in md
+    assert "No PP points" not in md and "Latency" not in md.split("## Setup")[0]  # left out, not apologised for
     assert "| DDP | 1e-04 |" in md and "| PP |" not in md
     assert (ddp_only / "eval_loss_vs_ber.png").exists() and not (ddp_only / "latency.png").exists()
 
@@ -345,16 +351,17 @@ def test_write_report_renders_missing_data_as_sentences(tmp_path):
              "loss_curve": r["loss_curve"][:5]} for r in make_rows()]
     md = report.write_report(crashed, rows=rows, latency={"results": []}).read_text()
     assert "No run finished with status ok" in md and "no threshold" in md
-    assert "nothing to compare" in md and "could not be drawn" not in md
+    assert "## Weight deviation" not in md and "could not be drawn" not in md
     assert_valid_png(crashed / "loss_vs_step.png")  # curves up to the crash are still worth seeing
 
 
 def test_main_writes_the_report(tmp_path, capsys):
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_rows(("pp",))))
-    assert report.main([str(tmp_path), "--tolerance", "0.05"]) == 0
+    assert report.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "report.md")
     md = (tmp_path / "report.md").read_text()
-    assert "max(0.05 x the clean mean" in md and "No DDP points" in md
+    assert "at most 1 % of the clean eval loss (tolerance: recorded in the results rows)" in md
+    assert "No DDP points" not in md and "| DDP" not in md  # what does not apply is left out
 
 
 def test_plots_return_none_when_there_is_nothing_to_plot(tmp_path):
@@ -457,7 +464,7 @@ def test_report_renders_the_recipe_x_mode_table_and_the_disagreements(tmp_path):
     rows = recipe_rows()
     md = report.write_report(tmp_path, rows=rows, latency={"results": []}).read_text()
     assert "| recipe | DDP measured | DDP theory | DDP tokens/step | PP measured | PP theory | PP tokens/step |" in md
-    assert "| sanitize | up to 1e-04 | any (no lost steps) | 1,024 |" in md
+    assert "| sanitize | ≥ 1e-04 | any (no lost steps) | 1,024 |" in md
     assert "| published (GPT-2 124M) | fine below 1e-04 |" in md
     assert "**DDP** (tensor/fix, recipe sanitize) trains as well as on a clean link at every tested BER" in md
     assert "Recipe **default**: measured, PP tolerates more than DDP" in md
@@ -484,3 +491,138 @@ def test_a_run_without_progress_is_flagged_and_fails_its_ber(tmp_path):
     flat = [{**r, "final_eval_loss": 6.2} if r["ber"] == 0 else r for r in make_rows(("ddp",))]
     th = analysis.thresholds(analysis.aggregate(flat))["ddp/tensor/fix"]
     assert th["tolerance_abs"] is None and "made no progress" in th["note"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The paired rule on synthetic rows: a known gap passes or fails as the one-sided t bound says
+# ---------------------------------------------------------------------------------------------------------------
+
+# five seeds whose clean losses differ by far more than the tolerance (sd 0.16 nats): only pairing can pass them
+RULE_SEEDS = (1, 2, 3, 4, 5)
+CLEAN = {s: 4.0 + 0.1 * s for s in RULE_SEEDS}  # mean 4.3: the 1 % tolerance is 0.043 nats
+RULE_GAPS = {
+    1e-7: (0.010, 0.020, 0.000, 0.015, 0.005),  # mean 0.010, bound ~0.018: passes
+    3e-7: (0.000, 0.060, 0.010, 0.050, 0.030),  # mean 0.030 < 0.043, but bound ~0.054 > 0.043: fails
+    1e-6: (0.040, 0.041, 0.039, 0.040, 0.040),  # mean 0.040, bound ~0.0407 < 0.043: passes again (non-monotonic)
+    3e-6: (0.300, 0.250, 0.350, 0.300, 0.280),  # fails at any tolerance of the table
+}
+
+
+def rule_rows(seeds=RULE_SEEDS, gaps=RULE_GAPS, clean_seeds=None) -> list[dict]:
+    rows = [make_row("ddp", 0.0, s, final_eval_loss=CLEAN[s], made_progress=True)
+            for s in (clean_seeds or seeds)]
+    for ber, g in gaps.items():
+        rows += [make_row("ddp", ber, s, final_eval_loss=CLEAN[s] + g[i], made_progress=True)
+                 for i, s in enumerate(RULE_SEEDS) if s in seeds]
+    return rows
+
+
+def t_bound(values) -> float:
+    """The one-sided 95 % upper bound of the mean, written out independently of analysis.upper_bound."""
+    from scipy import stats
+    v = np.asarray(values, dtype=float)
+    return v.mean() + stats.t.ppf(0.95, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
+
+
+def test_paired_rule_passes_and_fails_as_the_t_bound_says():
+    th = analysis.thresholds(analysis.aggregate(rule_rows()), tolerance=0.01)["ddp/tensor/fix"]
+    tol = th["tolerance_abs"]
+    assert tol == pytest.approx(0.043)
+    for ber, g in RULE_GAPS.items():
+        bound = t_bound(g)
+        assert th["gaps"][ber]["upper"] == pytest.approx(bound) and th["gaps"][ber]["n"] == 5
+        assert th["gaps"][ber]["mean"] == pytest.approx(np.mean(g))
+        assert (ber in th["passing_bers"]) == (bound <= tol), (ber, bound)
+    assert th["passing_bers"] == [1e-7, 1e-6]
+    # the mean gap at 3e-7 is within the tolerance; its upper bound is not
+    assert np.mean(RULE_GAPS[3e-7]) < tol < th["gaps"][3e-7]["upper"]
+    assert th["failing"][3e-7].startswith("upper bound of the mean gap +0.054 > tolerance 0.043; gaps +0.000")
+    # the threshold is the interval (last passing, first failing]; 1e-6 passes above a failure: flagged
+    assert (th["max_ok_ber"], th["min_fail_ber"]) == (1e-7, 3e-7) and th["non_monotonic"]
+    # sensitivity: 0.5 % (0.0215) fails 1e-7 (bound 0.018 passes) ... and 5 % passes all but 3e-6
+    assert th["sensitivity"][0.005] == (1e-7, 3e-7)
+    assert th["sensitivity"][0.02] == (1e-6, 3e-6) and th["sensitivity"][0.05] == (1e-6, 3e-6)
+    # unpaired, the clean seeds' spread (sd 0.16) would swamp the tolerance: pairing is what makes 1e-7 pass
+    assert np.std(list(CLEAN.values()), ddof=1) > 3 * tol
+
+
+def test_paired_rule_edge_cases():
+    # a clean seed missing: the BER runs of that seed have nothing to pair with, so no BER can pass
+    th = analysis.thresholds(analysis.aggregate(rule_rows(clean_seeds=(1, 2, 3, 4))))["ddp/tensor/fix"]
+    assert th["passing_bers"] == [] and th["max_ok_ber"] is None and th["min_fail_ber"] == 1e-7
+    assert th["failing"][1e-7] == "seed(s) 5 have no clean run of the same seed to pair with"
+    # a run that made no progress fails its BER, whatever its gap
+    rows = rule_rows()
+    next(r for r in rows if r["ber"] == 1e-7 and r["seed"] == 3)["made_progress"] = False
+    th = analysis.thresholds(analysis.aggregate(rows))["ddp/tensor/fix"]
+    assert th["failing"][1e-7] == "1 ok run(s) made no progress" and th["max_ok_ber"] is None
+    # a clean run without progress leaves no baseline at all
+    rows = rule_rows()
+    next(r for r in rows if r["ber"] == 0 and r["seed"] == 2)["made_progress"] = False
+    th = analysis.thresholds(analysis.aggregate(rows))["ddp/tensor/fix"]
+    assert th["tolerance_abs"] is None and "made no progress" in th["note"] and th["passing_bers"] == []
+    # a single seed has no bound: even a zero gap cannot pass
+    th = analysis.thresholds(analysis.aggregate(rule_rows(seeds=(1,), gaps={1e-7: (0.0,) * 5})))["ddp/tensor/fix"]
+    assert th["failing"][1e-7] == "1 paired seed(s): the upper bound needs at least 2"
+    assert analysis.upper_bound([0.0]) is None and analysis.upper_bound([]) is None
+    assert analysis.upper_bound([0.02, 0.02, 0.02]) == pytest.approx(0.02)  # no spread: the mean itself
+    # a crashed seed fails the BER before any gap is looked at
+    rows = rule_rows()
+    next(r for r in rows if r["ber"] == 1e-7 and r["seed"] == 1).update(status="crashed", final_eval_loss=None)
+    th = analysis.thresholds(analysis.aggregate(rows))["ddp/tensor/fix"]
+    assert th["failing"][1e-7] == "1 crashed"
+
+
+def test_tolerance_comes_from_the_rows_then_the_file():
+    rows = rule_rows()
+    assert analysis.tolerance_of(rows) == (0.01, "recorded in the results rows")
+    assert analysis.tolerance_of([{**r, "tolerance": 0.02} for r in rows], 0.05)[0] == 0.02
+    mixed = [{**r, "tolerance": 0.02 if r["seed"] == 1 else 0.01} for r in rows]
+    tol, why = analysis.tolerance_of(mixed, 0.05)
+    assert tol == 0.05 and "edited" in why
+    old = [{**r, "tolerance": None} for r in rows]
+    assert analysis.tolerance_of(old, 0.02)[0] == 0.02
+    assert analysis.tolerance_of(old) == (0.01, "the default; neither the rows nor an experiment file record one")
+
+
+def test_report_shows_the_rule_the_sensitivity_and_the_paired_gaps(tmp_path):
+    rows = [{**r, "tolerance": 0.02} for r in rule_rows()]
+    md = report.write_report(tmp_path, rows=rows, latency={"results": []}).read_text()
+    summary = md.split("## Findings")[0]
+    assert summary.startswith("# Experiment quick") and "## Summary" in summary
+    assert "| default | 1e-06 – 3e-06 |" in summary and "| **paper** (GPT-2 124M) | < 1e-04 |" in summary
+    assert "at most 2 % of the clean eval loss (tolerance: recorded in the results rows)" in summary
+    assert "| config | 0.5 % | 1 % | 2 % (registered) | 5 % |" in md
+    assert "| DDP tensor/fix | 1e-07 – 3e-07 | 1e-07 – 3e-07 | 1e-06 – 3e-06 | 1e-06 – 3e-06 |" in md
+    assert "| DDP tensor/fix | 3e-07 | 5 | +0.000, +0.060, +0.010, +0.050, +0.030 | +0.030 | +0.054 | 0.086 | pass |" \
+        in md
+    assert "| DDP tensor/fix | 3e-06 | 5 | +0.300, +0.250, +0.350, +0.300, +0.280 | +0.296 | +0.331 | 0.086 | " \
+           "fail: bound > tolerance |" in md
+    assert "Student's t" in md and "last passing" in md
+    # the rows' tolerance reaches summary.csv too
+    assert "tolerance" in (tmp_path / "summary.csv").read_text().splitlines()[0].split(",")
+
+
+def test_report_rebuilds_from_summary_csv_when_results_jsonl_was_not_kept(tmp_path):
+    report.write_summary_csv(rule_rows(), tmp_path / "summary.csv")
+    (tmp_path / "eval_loss_vs_ber.png").write_bytes(PNG_SIGNATURE)  # the original run's plot, kept as it is
+    md = report.write_report(tmp_path).read_text()
+    assert "rebuilt from summary.csv" in md and "| default | 1e-07 – 3e-07 (non-monotonic) |" in md
+    assert "![Final eval loss vs BER](eval_loss_vs_ber.png)" in md
+    assert (tmp_path / "eval_loss_vs_ber.png").read_bytes() == PNG_SIGNATURE and not (tmp_path / "results.jsonl").exists()
+
+
+def test_a_report_without_evals_leaves_the_threshold_sections_out_and_counts_hosts_per_recipe(tmp_path):
+    """A locate-like experiment: DDP only, every run ok without an eval loss, two recipes on their own
+    topologies (4 and 8 hosts, different tokens per step)."""
+    rows = [make_row("ddp", b, s, recipe=rc, final_eval_loss=None, world_size=n, tokens_per_step=64 * n)
+            for rc, n in (("ring4", 4), ("star8", 8)) for b in (0.0, 1e-5) for s in SEEDS]
+    exp = {"name": "locate", "topologies": {"ddp": "ring4.yaml"}, "grid": {"recipe": ["ring4", "star8"]},
+           "recipes": {"ring4": {"topology": "ring4.yaml"}, "star8": {"topology": "star8.yaml"}}}
+    md = report.write_report(tmp_path, rows=rows, latency={"results": []}, experiment=exp).read_text()
+    assert "Topologies: recipe ring4: ring4.yaml (4 hosts), recipe star8: star8.yaml (8 hosts)" in md
+    assert "Tokens per step: DDP 256/512\n" in md  # one mode: nothing to match
+    for absent in ("## Summary", "## Thresholds", "no threshold", "No PP points", "clean runs have no eval loss",
+                   "## Latency", "Verdicts:", "eval loss (mean ± sd)"):
+        assert absent not in md, absent
+    assert "| config | BER | seeds | status | skipped steps |" in md

@@ -7,13 +7,19 @@ drawing. The report (report.py) renders what these return; the definitions are w
   reported one;
 - a grid point is a recipe, mode, scope, checksum and BER; its clean point has the same recipe at BER 0;
 - loss gap = mean eval loss - mean eval loss of the clean runs (BER 0, same config); positive is worse;
-- tolerance = max(`tolerance` x clean mean, `n_std` x the clean seeds' stdev): the larger of a relative margin
-  and the run-to-run noise of the clean runs themselves;
-- a BER passes when every seed has status ok, every seed has an eval loss, and the gap is <= the tolerance.
-  "Trains as well as clean up to B" = B and every tested BER below it pass; "fails from F" = the smallest
-  failing BER. The true threshold lies in (B, F]; a BER above F that passes again is flagged non-monotonic.
-  A run that made no progress (its eval loss fell less than 1 %) fails its BER; clean runs that made none leave
-  no baseline;
+- the paired rule (pre-registered: the tolerance is written in the experiment file before the run and recorded in
+  every row). Per seed, gap = eval loss at BER b - eval loss at BER 0 with the same seed (same recipe, mode,
+  scope, checksum). A BER passes when every run of it ended ok with an eval loss and made progress, every seed
+  has a clean run to pair with, and the one-sided 95 % upper bound of the mean gap is <= tolerance x the clean
+  mean eval loss. The bound is Student's t: mean + t(0.95, n-1) x sd / sqrt(n) over the n paired seeds. t, not a
+  bootstrap: with the 3-5 seeds a grid affords, a bootstrap's resampled means can never exceed the largest
+  observed gap, so its upper bound under-covers; t is exact for normal gaps, deterministic, and needs >= 2
+  seeds (one seed has no bound and cannot pass). The clean runs must all be ok, with an eval loss, and have made
+  progress, else the config has no baseline;
+- "trains as well as clean up to B" = B and every tested BER below it pass; "fails from F" = the smallest BER
+  that does not pass. The threshold lies in (B, F]; a BER above F that passes again is flagged non-monotonic.
+  A run that made no progress (its eval loss fell less than 1 %) fails its BER;
+- sensitivity: the same rule at tolerances 0.5 %, 1 %, 2 % and 5 % (SENSITIVITY_TOLERANCES);
 - lost steps: skipped updates / completed steps, pooled over the seeds (steps are independent trials), with a
   Clopper-Pearson interval; the theory's fraction (theory.predict_recipe) agrees when it lies inside it;
 - the theory's tolerated BER: lost steps cost time (the time-shift model: a run that lost a fraction f of its
@@ -33,13 +39,14 @@ from scipy import stats
 
 from testbed.train.model import PRESETS, seq_len_of
 from testbed.train.settings import default_of
-from testbed.vocab import CHECKSUM_MODES
+from testbed.vocab import CHECKSUM_MODES, DEFAULT_TOLERANCE
 from testbed.analysis import theory
-from testbed.analysis.formatting import fmt_loss, status_text
+from testbed.analysis.formatting import fmt_loss, fmt_signed, status_text
 from testbed.analysis.results import (SETUP_FIELDS, STATUSES, ber_of, config_key, config_of, config_sort_key, configs, finite,
                       is_ok, positive, recipe_of, recipe_settings)
 
-DEFAULT_TOLERANCE, DEFAULT_N_STD = 0.02, 3.0
+SENSITIVITY_TOLERANCES = (0.005, 0.01, 0.02, 0.05)  # the report's sensitivity table
+BOUND_LEVEL = 0.95  # one-sided level of the upper bound of the mean paired gap
 # Published analysis (GPT-2 124M): DDP trained as well as clean below BER 1e-4, PP needed BER below 1e-5
 PUBLISHED_TOLERATED_BER = {"ddp": 1e-4, "pp": 1e-5}
 LATENCY_STATS = ("p50_us", "p99_us", "mean_us")
@@ -216,6 +223,8 @@ def _aggregate_point(group: list[dict]) -> dict:
         "n_seeds": len(group), "seeds": sorted(r.get("seed") for r in group if r.get("seed") is not None),
         "statuses": _status_counts(group), "n_ok": len(ok), "all_ok": len(ok) == len(group),
         "eval_loss_mean": _mean(evals), "eval_loss_std": _stdev(evals), "eval_loss_n": len(evals),
+        "eval_by_seed": {r["seed"]: v for r in ok if r.get("seed") is not None
+                         and (v := finite(r.get("final_eval_loss"))) is not None},
         "skipped_steps_mean": _mean(values_of(ok, "skipped_steps")),
         "skipped_fraction_mean": _mean([v for r in ok if (v := skipped_fraction(r)) is not None]),
         "deviation_mean": _mean(values_of(ok, "final_deviation")),
@@ -266,15 +275,39 @@ def aggregate(rows: list[dict], train: dict | None = None) -> list[dict]:
         p["loss_gap"] = p["eval_loss_mean"] - p["clean_eval_loss_mean"] if gap_ok else None
         p["loss_gap_rel"] = (p["loss_gap"] / p["clean_eval_loss_mean"]
                              if gap_ok and p["clean_eval_loss_mean"] else None)
+        p.update(paired_gap(p["eval_by_seed"], base["eval_by_seed"] if base else {}))
     return points
+
+
+def upper_bound(gaps: list[float], level: float = BOUND_LEVEL) -> float | None:
+    """One-sided upper confidence bound of the mean of `gaps` (Student's t: mean + t(level, n-1) sd / sqrt(n));
+    None with fewer than two values (one seed has no spread to bound the mean by)."""
+    if len(gaps) < 2:
+        return None
+    mean, sd = statistics.fmean(gaps), statistics.stdev(gaps)
+    return mean + float(stats.t.ppf(level, len(gaps) - 1)) * sd / math.sqrt(len(gaps))
+
+
+def paired_gap(evals: dict, clean: dict) -> dict:
+    """The paired comparison of a point's eval losses with its clean point's, seed by seed ({seed: eval loss}):
+    `gaps` {seed: eval - clean eval of the same seed}, their mean, the one-sided upper bound of the mean
+    (upper_bound), and `unpaired_seeds`, the point's seeds without a clean run to pair with."""
+    gaps = {seed: v - clean[seed] for seed, v in sorted(evals.items()) if seed in clean}
+    values = list(gaps.values())
+    return {"gaps": gaps, "gap_mean": _mean(values), "gap_upper": upper_bound(values),
+            "unpaired_seeds": sorted(seed for seed in evals if seed not in clean)}
 
 
 def _config_key(point: dict) -> str:
     return config_key(point_config(point))
 
 
+def _gaps_text(point: dict) -> str:
+    return ", ".join(fmt_signed(g, fmt_loss) for g in point["gaps"].values())
+
+
 def _failure_reason(point: dict, tolerance_abs: float) -> str | None:
-    """Why a BER point does not train as well as clean, or None when it does."""
+    """Why a BER point does not pass the paired rule (module docstring), or None when it does."""
     failed = {s: n for s, n in point["statuses"].items() if s != "ok"}
     if failed:
         return ", ".join(f"{n} {s}" for s, n in failed.items())
@@ -282,8 +315,14 @@ def _failure_reason(point: dict, tolerance_abs: float) -> str | None:
         return f"{point['n_seeds'] - point['eval_loss_n']} ok run(s) without an eval loss"
     if point["no_progress"]:
         return f"{point['no_progress']} ok run(s) made no progress"
-    if point["loss_gap"] > tolerance_abs:
-        return f"eval-loss gap +{fmt_loss(point['loss_gap'])} > tolerance {fmt_loss(tolerance_abs)}"
+    if point["unpaired_seeds"]:
+        return (f"seed(s) {', '.join(map(str, point['unpaired_seeds']))} have no clean run of the same seed to pair "
+                "with")
+    if point["gap_upper"] is None:
+        return f"{len(point['gaps'])} paired seed(s): the upper bound needs at least 2"
+    if point["gap_upper"] > tolerance_abs:
+        return (f"upper bound of the mean gap {fmt_signed(point['gap_upper'], fmt_loss)} > tolerance "
+                f"{fmt_loss(tolerance_abs)}; gaps {_gaps_text(point)}")
     return None
 
 
@@ -316,19 +355,26 @@ def theory_threshold(mode: str, checksum: str | None, setup: dict) -> tuple[floa
     return None, f"no theory threshold for mode {mode!r}"
 
 
-def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, n_std: float = DEFAULT_N_STD,
-               train: dict | None = None) -> dict[str, dict]:
-    """Per config ('mode/scope/checksum', '/RECIPE' appended for a recipe other than the default): the largest
-    BER up to which training is as good as clean, the smallest BER at which it fails, why, the theory's
-    thresholds and the published one (see the module docstring). `train` (the experiment's train: section)
-    supplies batch_size/seq_len for PP when rows lack them."""
+def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, train: dict | None = None) -> dict[str, dict]:
+    """Per config ('mode/scope/checksum', '/RECIPE' appended for a recipe other than the default): under the
+    paired rule at `tolerance` (relative to the clean mean eval loss), the largest BER up to which training is as
+    good as clean, the smallest BER at which it fails, why, the same interval at each of SENSITIVITY_TOLERANCES
+    (`sensitivity`: {tolerance: (max_ok, min_fail)}), the theory's thresholds and the published one (see the
+    module docstring). `train` (the experiment's train: section) supplies batch_size/seq_len for PP when rows
+    lack them."""
     out: dict[str, dict] = {}
     for key in dict.fromkeys(_config_key(p) for p in agg):
         points = [p for p in agg if _config_key(p) == key]
         clean = next((p for p in points if p["ber"] == 0), None)
         setup = {**{k: v for k, v in (train or {}).items() if v is not None},
                  **{k: v for k, v in points[0].items() if v is not None}}
-        result = _threshold_of(points, clean, tolerance, n_std)
+        result = _threshold_of(points, clean, tolerance)
+        # the question applies unless every run ended ok without an eval loss (an experiment that does not evaluate)
+        result["applies"] = any(p["eval_loss_n"] or not p["all_ok"] for p in points)
+        result["sensitivity"] = {}
+        for tol in sorted({*SENSITIVITY_TOLERANCES, tolerance}):
+            other = _threshold_of(points, clean, tol)
+            result["sensitivity"][tol] = (other["max_ok_ber"], other["min_fail_ber"])
         result["theory_ber"], result["theory_basis"] = theory_threshold(points[0]["mode"], points[0]["checksum"],
                                                                         setup)
         result.update(theory_tolerated(points, clean, result["tolerance_abs"], train))
@@ -413,13 +459,15 @@ def _no_lost_steps_note(point: dict, pred: theory.RecipePrediction | None, endin
     return text
 
 
-def _threshold_of(points: list[dict], clean: dict | None, tolerance: float, n_std: float) -> dict:
+def _threshold_of(points: list[dict], clean: dict | None, tolerance: float) -> dict:
     tested = [p for p in points if p["ber"] > 0]
-    result = {"tolerance_rel": tolerance, "n_std": n_std, "tested_bers": [p["ber"] for p in tested],
+    result = {"tolerance_rel": tolerance, "tested_bers": [p["ber"] for p in tested],
               "clean_eval_loss_mean": clean and clean["eval_loss_mean"],
               "clean_eval_loss_std": clean and clean["eval_loss_std"],
               "tolerance_abs": None, "passing_bers": [], "failing": {}, "max_ok_ber": None, "min_fail_ber": None,
-              "non_monotonic": False, "note": None}
+              "non_monotonic": False, "note": None,
+              "gaps": {p["ber"]: {"mean": p["gap_mean"], "upper": p["gap_upper"], "n": len(p["gaps"])}
+                       for p in tested}}
     if clean is None or not clean["all_ok"] or clean["eval_loss_mean"] is None or clean["no_progress"]:
         result["note"] = ("no clean (BER 0) point" if clean is None else
                           f"the clean runs are not all ok ({status_text(clean['statuses'])}), so there is no "
@@ -430,7 +478,7 @@ def _threshold_of(points: list[dict], clean: dict | None, tolerance: float, n_st
         return result
     if not tested:
         result["note"] = "no BER > 0 was run"
-    tol = max(tolerance * clean["eval_loss_mean"], n_std * (clean["eval_loss_std"] or 0.0))
+    tol = tolerance * clean["eval_loss_mean"]
     result["tolerance_abs"] = tol
     for p in tested:
         reason = _failure_reason(p, tol)
@@ -444,6 +492,22 @@ def _threshold_of(points: list[dict], clean: dict | None, tolerance: float, n_st
     result["max_ok_ber"] = max(below) if below else None
     result["non_monotonic"] = bool(failing) and any(b > failing[0] for b in result["passing_bers"])
     return result
+
+
+def tolerance_of(rows: list[dict], file_tolerance: float | None = None) -> tuple[float, str]:
+    """The tolerance the experiment registered, and where it comes from: the rows' `tolerance` (written when
+    each point ran); the experiment file's when rows disagree or predate the field; else DEFAULT_TOLERANCE."""
+    recorded = sorted({v for r in rows if (v := positive(r.get("tolerance"))) is not None})
+    if len(recorded) == 1:
+        return recorded[0], "recorded in the results rows"
+    if recorded and file_tolerance is not None:
+        return file_tolerance, (f"the experiment file's; the rows record {', '.join(f'{v:.3g}' for v in recorded)} "
+                                "(the file was edited between runs)")
+    if recorded:
+        return max(recorded), f"the largest the rows record ({', '.join(f'{v:.3g}' for v in recorded)})"
+    if file_tolerance is not None:
+        return file_tolerance, "the experiment file's; the rows predate the tolerance field"
+    return DEFAULT_TOLERANCE, "the default; neither the rows nor an experiment file record one"
 
 
 def interval(t: dict) -> tuple[float, float]:

@@ -76,6 +76,9 @@ FIELDS: tuple[Field, ...] = (
     _f("baseline", "str", "id of the clean point (BER 0, same recipe/mode/scope/checksum/seed) it is compared "
                           "with", error=True),
     _f("experiment", "str", "experiment name", error=True),
+    _f("tolerance", "float?", "the paired rule's tolerance on the eval-loss gap, relative to the clean eval loss: "
+                              "the experiment file's `tolerance:` (default 0.01), fixed before the run; null: a row "
+                              "that predates it", error=True),
     _f("recipe", "str", "grid coordinate: the recipe (`default`: the file's `train:` as it is)", error=True),
     _f("fingerprint", "str", "hash of everything but the grid (a re-run reuses a point only if it matches)",
        error=True),
@@ -248,6 +251,26 @@ def positive(x) -> float | None:
     """x as a float when it is finite and > 0 (what a log axis can show), else None."""
     v = finite(x)
     return v if v is not None and v > 0 else None
+
+
+def row_from_summary(record: dict) -> dict:
+    """A summary.csv line back as a row: each schema column in its type ('' -> null), other columns as text. The
+    fields that do not fit a CSV cell (curves, lists, objects) are absent: such rows rebuild the analysis, not
+    the curves."""
+    row = {}
+    for k, v in record.items():
+        f = FIELDS_BY_NAME.get(k)
+        if v is None or v == "":
+            row[k] = None
+        elif f is None or f.json_type == "str":
+            row[k] = v
+        elif f.json_type == "bool":
+            row[k] = v == "True"
+        elif f.json_type == "int":
+            row[k] = int(float(v))
+        else:
+            row[k] = float(v)
+    return row
 
 
 def ber_of(row: dict) -> float:

@@ -77,7 +77,7 @@ def cmd_run(args) -> int:
 def cmd_report(args) -> int:
     from testbed.report.report import write_report
 
-    if not os.path.exists(os.path.join(args.dir, "results.jsonl")):
+    if not any(os.path.exists(os.path.join(args.dir, f)) for f in ("results.jsonl", "summary.csv")):
         print(f"testbed: {args.dir} has no results.jsonl (run `testbed run EXPERIMENT --out {args.dir}` first)",
               file=sys.stderr)
         return 2
@@ -107,7 +107,8 @@ def register(sub) -> None:
 
     s = sub.add_parser("report", help="rebuild plots and report from results",
                        description="Rebuild summary.csv, the plots and report.md of DIR from its results.jsonl (and "
-                                   "latency.json) alone.")
+                                   "latency.json) alone; from summary.csv where only that was kept (the analysis, "
+                                   "not the plots). The verdicts use the tolerance the rows record.")
     s.add_argument("dir", metavar="DIR")
     s.set_defaults(fn=cmd_report)
 

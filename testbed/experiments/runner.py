@@ -92,7 +92,8 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     # every field of the results schema (testbed/analysis/results.py), in its order; run_point adds the
     # fingerprint, the deviation and divergence fields are filled in below
     row = new_row(
-        point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, fingerprint=None,
+        point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, tolerance=exp.spec.tolerance,
+        fingerprint=None,
         **point.params(), model=exp.spec.model, steps=exp.spec.steps,
         topology=summary.get("topology"), runtime=summary.get("runtime"), injector=cfg_field(summary, "injector"),
         world_size=summary.get("world_size"),
@@ -276,7 +277,8 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
     except KeyboardInterrupt:
         raise
     except Exception as e:
-        return error_row(point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, fingerprint=fp,
+        return error_row(point=point.id, baseline=point.baseline.id, experiment=exp.spec.name,
+                         tolerance=exp.spec.tolerance, fingerprint=fp,
                          **point.params(), model=exp.spec.model, steps=exp.spec.steps, runtime=runtime or "netns",
                          injector=train_config(exp, point).injector,
                          status="error", reason=f"{type(e).__name__}: {e}", steps_completed=0,

@@ -12,6 +12,7 @@ and a model.
     grid: {recipe: [default, sanitize, protect], mode: [ddp, pp], ber: [0, 1e-5, 1e-4], seed: [1]}
     train: {seq_len: 64, lr: 0.001, eval_every: 10}
     latency: {topology: topologies/pair.yaml, bers: [0, 1e-6, 1e-5], size: 16384, count: 500}
+    tolerance: 1%                  # optional: the paired rule's tolerance (docs/experiments.md), default 1 %
 
 Recipes: a recipe's `train:` is any subset of the training settings, merged over the file's `train:`; its
 `link:` holds the engine's value settings (element, protect, protected_ber), applied to every link like the
@@ -42,10 +43,21 @@ from testbed.topology.topo import Topology, TopologyError
 from testbed.train import settings
 from testbed.train.model import PRESETS, seq_len_of
 from testbed.topology.yamlfile import read_yaml
-from testbed.vocab import (CHECKSUM_MODES, DEFAULT_RECIPE, ELEMENT_TYPES, ENGINE_CHOICES, LATENCY_BERS, MODES,
+from testbed.vocab import (CHECKSUM_MODES, DEFAULT_RECIPE, DEFAULT_TOLERANCE, ELEMENT_TYPES, ENGINE_CHOICES, LATENCY_BERS, MODES,
                            PROTECT_FIELDS, SCOPES)
 
 Ber = Annotated[float, BeforeValidator(lambda x: units.parse_probability(x, upper=0.5))]
+
+
+def _tolerance(value) -> float:
+    """'1%' or 0.01: the paired rule's tolerance, relative to the clean eval loss; more than 0, less than 1."""
+    frac = units.parse_fraction(value)
+    if not 0.0 < frac < 1.0:
+        raise ValueError(f"must lie above 0 and below 1 (100%), got {value!r}")
+    return frac
+
+
+Tolerance = Annotated[float, BeforeValidator(_tolerance)]
 
 
 class _Strict(BaseModel):
@@ -138,6 +150,8 @@ class ExperimentFile(_Strict):
     latency: LatencySpec | None = None
     fault: FaultSpec | None = None
     point_timeout: float = Field(default=1800, gt=0, description="wall-clock limit per point (s)")
+    tolerance: Tolerance = Field(default=DEFAULT_TOLERANCE, description="the paired rule's tolerance on the "
+                                 "eval-loss gap, relative to the clean eval loss ('1%' or 0.01); set before the run")
 
 
 def format_ber(ber: float) -> str:
@@ -392,7 +406,7 @@ class Experiment:
         contents and the runtime. A re-run reuses a finished point only if it matches. A file without recipes
         and tokens_per_step hashes as it did before they existed."""
         d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies",
-                                          "recipes", "tokens_per_step", "fault"})
+                                          "recipes", "tokens_per_step", "fault", "tolerance"})
         r = self.recipe(recipe)
         d["train"].update(r.train.model_dump(exclude_unset=True))
         for k, v in LATER_DEFAULTS.items():  # at their defaults, settings added later leave the hash as it was

@@ -1,10 +1,13 @@
 """An experiment's report: summary.csv, the plots and report.md, from results.jsonl and latency.json alone.
 
-    python -m testbed.report.report DIR [--tolerance 0.02] [--n-std 3]
+    python -m testbed.report.report DIR
+
+The verdicts follow the paired rule at the tolerance the experiment registered (analysis.py; no flag changes it).
 
 Input contract: docs/experiments.md (results.jsonl rows: testbed/analysis/results.py, latency.json).
-Missing pieces (no PP rows, no latency.json, every run crashed) give a sentence in the report, never an
-exception. This module renders: what the numbers mean is computed in analysis.py (definitions there, and
+Missing pieces (no PP rows, no latency.json, every run crashed) give a sentence in the report or leave out the
+section they concern, never an exception. A directory with summary.csv but no results.jsonl (reference results
+that kept only the CSV) is rebuilt from the CSV: the analysis, not the curves; its plots are left as they are. This module renders: what the numbers mean is computed in analysis.py (definitions there, and
 written into report.md), the figures are drawn by plots.py.
 """
 
@@ -27,13 +30,16 @@ from testbed.locate.scores import locate_section
 from testbed.report import plots
 from testbed.analysis import theory
 from testbed.report.calibration import calibration_section
-from testbed.analysis.analysis import (DEFAULT_N_STD, DEFAULT_TOLERANCE, LATENCY_STATS, PUBLISHED_TOLERATED_BER, aggregate,
-                       deviation_fits, interval, latency_entries, orderings, point_config, published_verdict,
-                       retransmission_penalties, sum_or_none, theory_comparison, thresholds, values_of)
+from testbed.analysis.analysis import (BOUND_LEVEL, LATENCY_STATS, PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES,
+                                      aggregate, deviation_fits, interval, latency_entries, orderings, point_config,
+                                      published_verdict, retransmission_penalties, sum_or_none, theory_comparison,
+                                      thresholds, tolerance_of, values_of)
 from testbed.analysis.formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text, mode_name,
                          status_text)
 from testbed.report.plots import latency_label
-from testbed.analysis.results import DEFAULT_RECIPE, FIELDS_BY_NAME, MODE_ORDER, SUMMARY_COLUMNS, config_sort_key, configs, finite, grid_order, is_ok, positive
+from testbed.analysis.results import (DEFAULT_RECIPE, FIELDS_BY_NAME, MODE_ORDER, SUMMARY_COLUMNS, config_key,
+                                     config_sort_key, configs, finite, grid_order, is_ok, positive, recipe_of,
+                                     row_from_summary)
 
 RESULTS_FILE, LATENCY_FILE, EXPERIMENT_FILE = "results.jsonl", "latency.json", "experiment.yaml"
 SUMMARY_FILE, REPORT_FILE = "summary.csv", "report.md"
@@ -48,6 +54,15 @@ THEORY_FRAME_BYTES = (1500, 4096, 9000)
 def load_results(out_dir) -> list[dict]:
     """results.jsonl as a list of rows; [] when the file is missing. A torn last line is skipped."""
     return [r for r in read_jsonl(Path(out_dir) / RESULTS_FILE) if isinstance(r, dict)]
+
+
+def load_summary_rows(out_dir) -> list[dict]:
+    """summary.csv's lines as rows (results.row_from_summary); [] when the file is missing."""
+    try:
+        text = (Path(out_dir) / SUMMARY_FILE).read_text()
+    except OSError:
+        return []
+    return [row_from_summary(r) for r in csv.DictReader(io.StringIO(text))]
 
 
 def load_latency(out_dir) -> dict | None:
@@ -126,6 +141,9 @@ def key_table(agg: list[dict]) -> str:
                      fmt_pct(p["loss_gap_rel"]) if p["ber"] > 0 else "",
                      fmt(p["skipped_steps_mean"]), fmt(p["deviation_mean"]), fmt(p["divergence_mean"]),
                      fmt(p["bits_flipped_total"]), fmt(p["realized_ber"]), fmt(p["median_step_time_s"])])
+    if not any(p["eval_loss_n"] for p in agg):  # an experiment without evals: no eval or gap columns
+        keep = [i for i, h in enumerate(header) if h not in ("eval loss (mean ± sd)", "gap", "gap %")]
+        header, body = [header[i] for i in keep], [[row[i] for i in keep] for row in body]
     return _table(header, body)
 
 
@@ -221,14 +239,26 @@ def threshold_sentence(t: dict) -> str:
     return f"{label} {head}. {_published_comparison(t)} {_theory_comparison(t)}".strip()
 
 
+def interval_text(ok: float | None, fail: float | None) -> str:
+    """The threshold as an interval: '1e-06 – 3e-06' (last passing – first failing BER), '< 1e-06' (the smallest
+    tested BER fails), '≥ 1e-04' (every tested BER passes)."""
+    if ok is not None and fail is not None:
+        return f"{ber_text(ok)} – {ber_text(fail)}"
+    if fail is not None:
+        return f"< {ber_text(fail)}"
+    return f"≥ {ber_text(ok)}" if ok is not None else "no threshold"
+
+
+def _has_threshold(t: dict) -> bool:
+    """A threshold to report: the config has a baseline and a BER > 0."""
+    return t["tolerance_abs"] is not None and bool(t["tested_bers"])
+
+
 def _measured_cell(t: dict) -> str:
-    """'≤ 1e-05 < 1e-04': the measured interval (max_ok, min_fail]; 'no threshold' when there is none."""
-    if t["tolerance_abs"] is None or not t["tested_bers"]:
+    """'1e-05 – 1e-04': the measured interval (last pass, first fail]; 'no threshold' when there is none."""
+    if not _has_threshold(t):
         return "no threshold"
-    ok, fail = t["max_ok_ber"], t["min_fail_ber"]
-    text = (f"up to {ber_text(ok)}" if ok is not None else f"fails at {ber_text(fail)}") if fail is None or ok is None \
-        else f"up to {ber_text(ok)}, fails {ber_text(fail)}"
-    return text + (" (non-monotonic)" if t["non_monotonic"] else "")
+    return interval_text(t["max_ok_ber"], t["min_fail_ber"]) + (" (non-monotonic)" if t["non_monotonic"] else "")
 
 
 def _theory_cell(t: dict) -> str:
@@ -264,7 +294,7 @@ def threshold_matrix(th: dict) -> str:
 
 
 def thresholds_table(th: dict) -> str:
-    header = ["config", "clean eval loss", "tolerance", "trains as well as clean up to", "fails from", "why",
+    header = ["config", "clean eval loss", "tolerance", "last passing BER", "first failing BER", "why",
               "theory: catastrophic from", "theory: tolerated up to", "theory vs measured", "published: fine below"]
     body = []
     for t in th.values():
@@ -277,6 +307,46 @@ def thresholds_table(th: dict) -> str:
                      ber_text(t["theory_ber"]), _theory_cell(t), theory_agreement(t) or "—",
                      ber_text(t["published_ber"])])
     return _table(header, body)
+
+
+def _pct(tol: float) -> str:
+    return f"{100 * tol:g} %"
+
+
+def sensitivity_table(th: dict, tolerance: float) -> str:
+    """The threshold interval per config at each of SENSITIVITY_TOLERANCES (and the registered tolerance)."""
+    tols = sorted({*SENSITIVITY_TOLERANCES, tolerance})
+    header = ["config"] + [_pct(t) + (" (registered)" if t == tolerance else "") for t in tols]
+    body = [[_short_name(t)] + [interval_text(*t["sensitivity"][tol]) for tol in tols]
+            for t in th.values() if _has_threshold(t)]
+    return _table(header, body)
+
+
+def paired_table(agg: list[dict], th: dict) -> str:
+    """Per BER > 0 point: the per-seed gaps to the clean run of the same seed, their mean, the upper bound, and
+    the verdict at the registered tolerance."""
+    body = []
+    for p in agg:
+        t = th.get(_key_of(p))
+        if p["ber"] == 0 or t is None or not _has_threshold(t):
+            continue
+        reason = t["failing"].get(p["ber"])
+        body.append([_short_name(t), ber_text(p["ber"]), str(len(p["gaps"])),
+                     ", ".join(fmt_signed(g, fmt_loss) for g in p["gaps"].values()) or "—",
+                     fmt_signed(p["gap_mean"], fmt_loss), fmt_signed(p["gap_upper"], fmt_loss),
+                     fmt_loss(t["tolerance_abs"]), "pass" if reason is None else
+                     "fail: bound > tolerance" if reason.startswith("upper bound") else f"fail: {reason}"])
+    return _table(["config", "BER", "paired seeds", "gaps (per seed)", "mean gap",
+                   f"{100 * BOUND_LEVEL:g} % upper bound", "tolerance", "verdict"], body)
+
+
+def _key_of(point: dict) -> str:
+    return config_key(point_config(point))
+
+
+def _short_name(t: dict) -> str:
+    recipe = "" if t["recipe"] == DEFAULT_RECIPE else f" {t['recipe']}"
+    return f"{mode_name(t['mode'])} {t['scope']}/{t['checksum']}{recipe}"
 
 
 def ordering_sentence(o: dict) -> str:
@@ -560,12 +630,11 @@ def _timestamp(value) -> str:
     return str(value)
 
 
-def _setup_section(rows: list[dict], exp: dict, latency: dict | None) -> list[str]:
+def _setup_section(rows: list[dict], exp: dict, latency: dict | None, tolerance: float, tol_source: str,
+                   source: str) -> list[str]:
     first = rows[0] if rows else {}
     grid = exp.get("grid") or {}
     train = {k: v for k, v in (exp.get("train") or {}).items() if v is not None}
-    topologies = exp.get("topologies") or {m: r.get("topology") for r in rows for m in [r.get("mode")]}
-    worlds = {r.get("mode"): r.get("world_size") for r in rows if r.get("world_size")}
     finished = sorted(_timestamp(r["finished_at"]) for r in rows if r.get("finished_at"))
     wall = sum_or_none(values_of(rows, "wall_time_s"))
     digests = sorted({str(r["image_digest"]) for r in rows if r.get("image_digest")})
@@ -582,8 +651,7 @@ def _setup_section(rows: list[dict], exp: dict, latency: dict | None) -> list[st
         ("Description", exp.get("description")),
         ("Model", f"{exp.get('model') or first.get('model') or '—'}"
                   + (f" ({n_params:,} parameters)" if isinstance(n_params, int) else "")),
-        ("Topologies", ", ".join(f"{mode_name(m)}: {t} ({worlds.get(m, '?')} hosts)" for m, t in topologies.items())
-         or "—"),
+        ("Topologies", _topologies_text(rows, exp)),
         ("Runtime", exp.get("runtime") or first.get("runtime")),
         ("Steps", exp.get("steps") or first.get("steps")),
         ("Training", ", ".join(f"{k} {v}" for k, v in train.items()) or
@@ -593,6 +661,11 @@ def _setup_section(rows: list[dict], exp: dict, latency: dict | None) -> list[st
                  f"({len(rows)} results)"),
         ("Recipes", _recipes_text(exp.get("recipes") or {})),
         ("Tokens per step", _tokens_text(exp, rows)),
+        ("Verdicts", f"the paired rule at tolerance {_pct(tolerance)} of the clean eval loss ({tol_source})"
+         if any(r.get("final_eval_loss") is not None for r in rows) else None),
+        ("Rows", "rebuilt from summary.csv (results.jsonl was not kept): the analysis is redone, the curves are "
+                 "not, so the plots are the original run's and the theory's time shift is not computed"
+         if source == SUMMARY_FILE else None),
         ("Runs finished", f"{finished[0]} .. {finished[-1]}" if finished else None),
         ("Training wall time", f"{wall / 60:.1f} min over all points" if wall else None),
         ("Worker image", ", ".join(digests) or None),
@@ -616,18 +689,45 @@ def _recipes_text(recipes: dict) -> str | None:
     return "; ".join(parts) or None
 
 
+def _topologies_text(rows: list[dict], exp: dict) -> str:
+    """'DDP: pair.yaml (2 hosts), PP: ...'; recipes with their own topology listed by recipe, each with the hosts
+    its rows trained on."""
+    worlds: dict[tuple, set] = {}
+    for r in rows:
+        if r.get("world_size"):
+            worlds.setdefault((r.get("mode"), recipe_of(r)), set()).add(r["world_size"])
+    recipes = (exp.get("grid") or {}).get("recipe") or sorted({recipe_of(r) for r in rows}) or [DEFAULT_RECIPE]
+    own = {n: (rc or {}).get("topology") for n, rc in (exp.get("recipes") or {}).items()
+           if (rc or {}).get("topology") and n in recipes}
+    plain = [n for n in recipes if n not in own]
+    topologies = exp.get("topologies") or {r.get("mode"): r.get("topology") for r in rows}
+
+    def hosts(pairs) -> str:
+        n = sorted(set().union(*(worlds.get(p, set()) for p in pairs)))
+        return "/".join(map(str, n)) or "?"
+
+    parts = [f"{mode_name(m)}: {t} ({hosts([(m, n) for n in plain])} hosts)" for m, t in topologies.items()
+             if plain]
+    parts += [f"recipe {n}: {t} ({hosts([(m, n) for m in topologies])} hosts)" for n, t in own.items()]
+    return ", ".join(parts) or "—"
+
+
 def _tokens_text(exp: dict, rows: list[dict]) -> str | None:
-    per_mode = {}
+    per_mode: dict[str, set] = {}
+    per_recipe: dict[str, dict[str, set]] = {}
     for r in rows:
         if r.get("tokens_per_step"):
             per_mode.setdefault(r.get("mode"), set()).add(r["tokens_per_step"])
+            per_recipe.setdefault(recipe_of(r), {}).setdefault(r.get("mode"), set()).add(r["tokens_per_step"])
     if not per_mode:
         return None
     text = ", ".join(f"{mode_name(m)} {'/'.join(map(fmt, sorted(v)))}" for m, v in sorted(per_mode.items()))
+    unmatched = [n for n, by_mode in per_recipe.items()
+                 if len(by_mode) > 1 and len({t for v in by_mode.values() for t in v}) > 1]
     if exp.get("tokens_per_step"):
         text += f" (tokens_per_step {exp['tokens_per_step']}: batch sizes derived per mode)"
-    elif len({t for v in per_mode.values() for t in v}) > 1:
-        text += " (not matched: DDP and PP see different tokens per step)"
+    elif unmatched:
+        text += f" (not matched: DDP and PP see different tokens per step in recipe(s) {', '.join(unmatched)})"
     return text
 
 
@@ -650,17 +750,99 @@ def _comp_configs(comp: list[dict]) -> list[tuple]:
     return sorted({(c["mode"], c["scope"], c["checksum"], c["recipe"]) for c in comp}, key=config_sort_key)
 
 
+def summary_table(th: dict) -> str:
+    """Recipe x mode: the threshold interval under the paired rule, the published numbers in the last row."""
+    rows: dict[tuple, dict] = {}
+    for t in th.values():
+        if t["applies"]:
+            rows.setdefault((t["recipe"], t["scope"], t["checksum"]), {})[t["mode"]] = t
+    modes_present = [m for m in MODE_ORDER if any(m in v for v in rows.values())]
+    several = len({k[1:] for k in rows}) > 1
+    body = [[recipe + (f" ({scope}/{checksum})" if several else "")]
+            + [_measured_cell(by_mode[m]) if m in by_mode else "—" for m in modes_present]
+            for (recipe, scope, checksum), by_mode in rows.items()]
+    body.append(["**paper** (GPT-2 124M)"] + [f"< {ber_text(PUBLISHED_TOLERATED_BER[m])}"
+                                               if m in PUBLISHED_TOLERATED_BER else "—" for m in modes_present])
+    return _table(["recipe"] + [f"{mode_name(m)}: last passing – first failing BER" for m in modes_present], body)
+
+
+def _headline(th: dict, setup: str) -> str:
+    """Sentence 1: per mode, the default recipe's interval and the most tolerant recipe's, against the paper."""
+    parts = []
+    for mode in MODE_ORDER:
+        ts = [t for t in th.values() if t["mode"] == mode and _has_threshold(t)]
+        if not ts:
+            continue
+        default = next((t for t in ts if t["recipe"] == DEFAULT_RECIPE), ts[0])
+        best = max(ts, key=lambda t: (t["max_ok_ber"] or 0.0, t["min_fail_ber"] or math.inf))
+        text = f"{mode_name(mode)} {default['recipe']} {_passes_text(default)}"
+        if best is not default and (best["max_ok_ber"] or 0) > (default["max_ok_ber"] or 0):
+            text += f", while the most tolerant recipe, {best['recipe']}, {_passes_text(best)}"
+        pub = PUBLISHED_TOLERATED_BER.get(mode)
+        if pub is not None:
+            text += f" (paper: < {ber_text(pub)}; {default['recipe']} here is {published_verdict(default) or 'consistent'})"
+        parts.append(text)
+    return f"Under the paired rule, on {setup}: {'; '.join(parts)}." if parts else ""
+
+
+def _passes_text(t: dict) -> str:
+    ok, fail = t["max_ok_ber"], t["min_fail_ber"]
+    if ok is None:
+        return f"fails already at the smallest tested BER, {ber_text(fail)}"
+    if fail is None:
+        return f"passes every tested BER, up to {ber_text(ok)}"
+    return f"passes up to {ber_text(ok)} and fails from {ber_text(fail)}"
+
+
+def _sensitivity_sentence(th: dict, tolerance: float) -> str:
+    """Sentence 3: how far the intervals move between the smallest and the largest tolerance of the table."""
+    ts = [t for t in th.values() if _has_threshold(t)]
+    if not ts:
+        return ""
+    lo, hi = min(SENSITIVITY_TOLERANCES), max(SENSITIVITY_TOLERANCES)
+    moved = [t for t in ts if len(set(t["sensitivity"].values())) > 1]
+    if not moved:
+        return (f"The intervals do not depend on the tolerance: each is the same from {_pct(lo)} to {_pct(hi)} of "
+                "the clean eval loss.")
+    words = [f"{_short_name(t)} {interval_text(*t['sensitivity'][lo])} at {_pct(lo)} to "
+             f"{interval_text(*t['sensitivity'][hi])} at {_pct(hi)}" for t in moved]
+    still = f"{len(ts) - len(moved)} of {len(ts)} intervals stay put" if len(moved) < len(ts) else "No interval stays put"
+    return f"{still} from {_pct(lo)} to {_pct(hi)} tolerance; moving: {'; '.join(words)}."
+
+
+def summary_section(rows: list[dict], th: dict, tolerance: float, source: str) -> list[str]:
+    """The one-screen summary: the threshold table with the paper's numbers, and three sentences (headline,
+    the DDP/PP ordering, the sensitivity to the tolerance). Empty when no config has a threshold to report."""
+    if not any(t["applies"] for t in th.values()):
+        return []
+    first = next((r for r in rows if r.get("model")), {})
+    seeds = sorted({r.get("seed") for r in rows if r.get("seed") is not None})
+    n_params = first.get("n_params")
+    setup = (f"{first.get('model', '?')} GPT-2" + (f" ({n_params:,} parameters)" if isinstance(n_params, int) else "")
+             + f", {first.get('steps', '?')} steps, {len(seeds)} seed(s)")
+    out = ["## Summary", "",
+           f"Paired rule: per seed, gap = eval loss at the BER - eval loss at BER 0 with the same seed; a BER passes "
+           f"when every run made progress and the one-sided {100 * BOUND_LEVEL:g} % upper bound (Student's t) of the mean "
+           f"gap is at most {_pct(tolerance)} of the clean eval loss (tolerance: {source}). The threshold lies "
+           "between the last passing and the first failing BER.", "", summary_table(th), ""]
+    sentences = [_headline(th, setup)]
+    ords = orderings(th)
+    if ords:
+        sentences.append(ordering_summary(ords))
+    sentences.append(_sensitivity_sentence(th, tolerance))
+    out += [f"- {x}" for x in sentences if x]
+    return out + [""]
+
+
 def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]:
     """The answers users look for first, each a sentence from the sections below."""
     out = ["## Findings", ""]
     if not rows:
         return out + ["- No results: results.jsonl is missing or empty, so there is nothing to report on training.",
                       ""]
-    present = {r.get("mode") for r in rows}
-    out += [f"- No {mode_name(m)} points in this experiment." for m in MODE_ORDER if m not in present]
     if not any(is_ok(r) for r in rows):
         out.append("- No run finished with status ok: every point crashed, hung, diverged or failed.")
-    out += ["- " + threshold_sentence(t) for t in th.values()]
+    out += ["- " + threshold_sentence(t) for t in th.values() if t["applies"]]
     ords = orderings(th)
     if ords:
         out += ["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)]
@@ -680,96 +862,128 @@ def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]
     penalties = [p for p in retransmission_penalties(latency) if p["ber"] > 0]
     if penalties:
         out.append(_latency_finding(penalties[-1]))
-    elif not latency_entries(latency):
-        out.append("- Latency was not measured (no latency.json).")
-    return out + [""]
+    return out + [""] if len(out) > 2 else []
 
 
 def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | None, exp: dict,
-                   drawn: dict, tolerance: float, n_std: float, out_dir: Path) -> str:
+                   drawn: dict, tolerance: float, out_dir: Path, tol_source: str = "",
+                   source: str = RESULTS_FILE) -> str:
+    """report.md: the one-screen summary first (a locate experiment's detection table, the threshold table with
+    the paper's numbers and three sentences), then the details; a section that does not apply is left out."""
     name = exp.get("name") or next((r.get("experiment") for r in rows if r.get("experiment")), None) or out_dir.name
     fits = deviation_fits(rows)
     md = [f"# Experiment {name}: bit errors in distributed GPT-2 training", ""]
+    md += locate_section(rows)  # experiments with monitored points (docs/locate.md): their summary; [] otherwise
+    md += summary_section(rows, th, tolerance, tol_source)
     md += _findings(rows, agg, th, fits, latency)
-    md += _setup_section(rows, exp, latency)
+    md += _setup_section(rows, exp, latency, tolerance, tol_source, source)
     md += ["## Results per point", ""]
     if agg:
-        md += ["Eval loss, skipped steps, deviation and divergence are means over the point's ok runs; bits flipped "
-               "and realized BER sum over all its runs; step time is the median of its runs' median step times. "
-               "Gap = eval loss - the clean mean of the same mode/scope/checksum (positive = worse). Deviation: "
-               "L2 distance of the final weights from the clean run of the same seed; replica divergence (DDP): "
-               "largest L2 distance of a replica from rank 0.", "", key_table(agg), "",
-               "Full per-run values: [summary.csv](summary.csv).", ""]
+        evals = any(p["eval_loss_n"] for p in agg)
+        md += [("Eval loss, skipped" if evals else "Skipped") + " steps, deviation and divergence are means over the "
+               "point's ok runs; bits flipped and realized BER sum over all its runs; step time is the median of its "
+               "runs' median step times. " + ("Gap = eval loss - the clean mean of the same mode/scope/checksum "
+                                              "(positive = worse; the verdicts use the gaps paired by seed, below). "
+                                              if evals else "") +
+               "Deviation: L2 distance of the final weights from the clean run of the same seed; replica divergence "
+               "(DDP): largest L2 distance of a replica from rank 0.", "",
+               key_table(agg), "", f"Full per-run values: [summary.csv]({SUMMARY_FILE}).", "",
+               _plot_line("loss_vs_step.png", drawn), ""]
     else:
         md += ["No results: results.jsonl is missing or empty.", ""]
     md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
-    md += locate_section(rows)  # experiments with monitored points (docs/locate.md); nothing otherwise
-    md += ["## Thresholds: up to which BER does training match a clean link?", "",
-           f"A BER passes when every seed ends ok with an eval loss and the mean eval-loss gap to the clean runs is "
-           f"at most the tolerance = max({tolerance:g} x the clean mean, {n_std:g} x the clean seeds' standard "
-           "deviation). \"Up to\" = the largest BER that passes together with every tested BER below it; "
-           "\"fails from\" = the smallest failing BER. A run that made no progress fails its BER. Theory: "
-           "\"catastrophic from\" is `catastrophic_threshold_ber`, the BER at which one catastrophic fp32 value "
-           "(Inf/NaN or > 1e30) is expected per step and rank; \"tolerated up to\" is the recipe's: lost steps "
-           "1 - exp(-λ) with λ summed over every rank and hop, and the time shift they cost on the clean loss "
-           "curve (docs/theory.md, section 4). Published: DDP fine below 1e-4, PP below 1e-5 (GPT-2 124M); this "
-           "experiment's model and step count may differ.", ""]
-    if th:
-        md += ["Tolerated BER per recipe and mode (measured: the largest BER that passes, and the first that "
-               "fails; theory: as above; tokens/step: tokens per optimizer step, equal for both modes when the "
-               "comparison is fair):", "", threshold_matrix(th), "", thresholds_table(th), ""]
-        md += ["- " + threshold_sentence(t) for t in th.values()]
-        ords = orderings(th)
-        md += (["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)] if ords else []) + [""]
-    else:
-        md += ["No thresholds: no results.", ""]
-    md += [_plot_line("eval_loss_vs_ber.png", drawn), "", _plot_line("loss_vs_step.png", drawn), ""]
-    md += deviation_section(rows, fits)
-    md += [_plot_line("deviation_vs_ber.png", drawn), "", _plot_line("divergence_vs_ber.png", drawn), ""]
-    md += theory_section(agg, _plot_line("lost_vs_theory.png", drawn))
-    md += ["## Step time and skipped updates", "", _plot_line("step_time_vs_ber.png", drawn), "",
-           _plot_line("skipped_vs_ber.png", drawn), ""]
-    md += latency_section(latency, _plot_line("latency.png", drawn))
-    md += theory_latency_section(latency)
+    md += thresholds_section(agg, th, tolerance, tol_source, drawn)
+    if fits:
+        md += deviation_section(rows, fits)
+        md += [_plot_line("deviation_vs_ber.png", drawn), "", _plot_line("divergence_vs_ber.png", drawn), ""]
+    if theory_comparison(agg):
+        md += theory_section(agg, _plot_line("lost_vs_theory.png", drawn))
+    if agg:
+        md += ["## Step time and skipped updates", "", _plot_line("step_time_vs_ber.png", drawn), "",
+               _plot_line("skipped_vs_ber.png", drawn), ""]
+    if latency_entries(latency) or exp.get("latency"):
+        md += latency_section(latency, _plot_line("latency.png", drawn))
+        md += theory_latency_section(latency)
     md += ["## How to reproduce", "",
            f"`testbed run {EXPERIMENT_FILE} --out DIR` (the copy of the experiment file in this directory) runs the "
            "grid and writes results.jsonl and latency.json; `testbed report DIR` (or `python -m "
-           f"testbed.report.report DIR --tolerance {tolerance:g} --n-std {n_std:g}`) rebuilds summary.csv, "
-           "the plots and this report from those two files alone.", ""]
+           "testbed.report.report DIR`) rebuilds summary.csv, the plots and this report from those two files "
+           "alone, with the tolerance the rows record.", ""]
     return "\n".join(md)
 
 
-def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None = None, experiment=None, *,
-                 tolerance: float = DEFAULT_TOLERANCE, n_std: float = DEFAULT_N_STD) -> Path:
+def thresholds_section(agg: list[dict], th: dict, tolerance: float, tol_source: str, drawn: dict) -> list[str]:
+    """The rule, the recipe x mode table, the detail table, the sensitivity table, the paired gaps, a sentence
+    per config and the orderings; [] when no config has a threshold question (no run evaluates)."""
+    if not agg:
+        return ["## Thresholds", "", "No thresholds: no results.", ""]
+    if not any(t["applies"] for t in th.values()):
+        return []
+    md = ["## Thresholds: up to which BER does training match a clean link?", "",
+          f"The paired rule, fixed before the run: per seed, gap = eval loss at BER b - eval loss at BER 0 with the "
+          f"same seed (same recipe, mode, scope, checksum). BER b passes when every run ended ok with an eval loss "
+          f"and made progress (eval loss at least 1 % below the initial one), every seed has its clean run, and the "
+          f"one-sided {100 * BOUND_LEVEL:g} % upper bound of the mean gap, mean + t({BOUND_LEVEL:g}, n-1) x sd / sqrt(n) "
+          f"(Student's t; one seed has no bound and cannot pass), is at most the tolerance, {_pct(tolerance)} of the "
+          f"clean mean eval loss (tolerance: {tol_source}). Student's t rather than a bootstrap: with a handful of seeds a "
+          "bootstrap's upper bound never exceeds the largest observed gap. The threshold is the interval between "
+          "the last passing BER (every tested BER below it passes too) and the first failing one. Theory: "
+          "\"catastrophic from\" is `catastrophic_threshold_ber`, the BER at which one catastrophic fp32 value "
+          "(Inf/NaN or > 1e30) is expected per step and rank; \"tolerated up to\" is the recipe's: lost steps "
+          "1 - exp(-λ) with λ summed over every rank and hop, and the time shift they cost on the clean loss "
+          "curve (docs/theory.md, section 4). Published: DDP fine below 1e-4, PP below 1e-5 (GPT-2 124M); this "
+          "experiment's model and step count may differ.", "",
+          "Tolerated BER per recipe and mode (measured: last passing – first failing BER; theory: as above; "
+          "tokens/step: tokens per optimizer step, equal for both modes when the comparison is fair):", "",
+          threshold_matrix(th), "", thresholds_table(th), ""]
+    if any(_has_threshold(t) for t in th.values()):
+        md += ["Sensitivity: the same rule at other tolerances (percent of the clean mean eval loss):", "",
+               sensitivity_table(th, tolerance), "", "Paired gaps per BER (nats; positive = worse than clean):", "",
+               paired_table(agg, th), ""]
+    md += ["- " + threshold_sentence(t) for t in th.values() if t["applies"]]
+    ords = orderings(th)
+    md += (["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)] if ords else []) + [""]
+    return md + [_plot_line("eval_loss_vs_ber.png", drawn), ""]
+
+
+def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None = None, experiment=None) -> Path:
     """Write summary.csv, the plots and report.md into out_dir (rows/latency default to its results.jsonl and
-    latency.json; experiment: an Experiment, ExperimentFile or dict, default its experiment.yaml)."""
+    latency.json, rows to summary.csv when only that was kept; experiment: an Experiment, ExperimentFile or
+    dict, default its experiment.yaml). The tolerance is the one the rows record (analysis.tolerance_of)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = load_results(out_dir) if rows is None else rows
+    source = RESULTS_FILE
+    if rows is None:
+        rows = load_results(out_dir)
+        if not rows and not (out_dir / RESULTS_FILE).exists() and (rows := load_summary_rows(out_dir)):
+            source = SUMMARY_FILE
     latency = load_latency(out_dir) if latency is None else latency
     exp = _experiment_info(out_dir, experiment)
+    tolerance, tol_source = tolerance_of(rows, finite(exp.get("tolerance")))
     write_summary_csv(rows, out_dir / SUMMARY_FILE)
     agg = aggregate(rows, train=exp.get("train"))
-    th = thresholds(agg, tolerance, n_std, train=exp.get("train"))
-    drawn = _draw_plots(out_dir, rows, latency)
+    th = thresholds(agg, tolerance, train=exp.get("train"))
+    drawn = _draw_plots(out_dir, rows, latency) if source == RESULTS_FILE else _kept_plots(out_dir)
     path = out_dir / REPORT_FILE
-    write_atomic(path, build_markdown(rows, agg, th, latency, exp, drawn, tolerance, n_std, out_dir))
+    write_atomic(path, build_markdown(rows, agg, th, latency, exp, drawn, tolerance, out_dir, tol_source, source))
     return path
+
+
+def _kept_plots(out_dir: Path) -> dict:
+    """The plots already in out_dir (rows from summary.csv have no curves to redraw them from)."""
+    return {name: out_dir / name for name in PLOT_TITLES if (out_dir / name).exists()}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbed.report.report",
                                 description="Rebuild summary.csv, the plots and report.md of an experiment "
-                                            "directory from its results.jsonl and latency.json.")
+                                            "directory from its results.jsonl and latency.json (the verdicts use "
+                                            "the tolerance the rows record: the experiment file's `tolerance:`).")
     p.add_argument("dir", metavar="DIR")
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                   help=f"relative eval-loss gap still counted as clean (default {DEFAULT_TOLERANCE})")
-    p.add_argument("--n-std", type=float, default=DEFAULT_N_STD,
-                   help=f"or this many standard deviations of the clean seeds, if larger (default {DEFAULT_N_STD:g})")
     args = p.parse_args(argv)
     if not Path(args.dir).is_dir():
         p.error(f"{args.dir}: not a directory")
-    print(write_report(args.dir, tolerance=args.tolerance, n_std=args.n_std))
+    print(write_report(args.dir))
     return 0
 
 
