@@ -526,7 +526,8 @@ def plot_latency(latency: dict | None, path) -> Path | None:
 
 
 def plot_lambda_collapse(rows: list[dict], path) -> Path | None:
-    """The size ladder (testbed/analysis/scaling.py): measured lost-step fraction (pooled over seeds, Clopper-Pearson
+    """(Drawn by the size-ladder section, testbed/report/scaling.py, only for experiments that have one.) The size
+    ladder (testbed/analysis/scaling.py): measured lost-step fraction (pooled over seeds, Clopper-Pearson
     95 % interval) against the theory's lambda of the unprotected wire at the point's BER, every model on the one
     curve 1 - exp(-lambda); a color per model, DDP filled and PP open markers; the protect and sanitize recipes
     (predicted: no lost step) as small gray markers at the same lambda."""
@@ -577,6 +578,5 @@ PLOTS = {
     "step_time_vs_ber.png": (plot_step_time_vs_ber, "rows"),
     "skipped_vs_ber.png": (plot_skipped_vs_ber, "rows"),
     "lost_vs_theory.png": (plot_lost_vs_ber, "rows"),
-    "lambda_collapse.png": (plot_lambda_collapse, "rows"),
     "latency.png": (plot_latency, "latency"),
 }

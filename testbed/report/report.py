@@ -540,7 +540,6 @@ PLOT_TITLES = {
     "skipped_vs_ber.png": ("Skipped updates vs BER", "no run reported skipped steps"),
     "lost_vs_theory.png": ("Lost-step fraction vs BER per recipe, measured and theory",
                            "no run at BER > 0 reported skipped steps"),
-    "lambda_collapse.png": ("Lost-step fraction vs λ, every model size", "no point of a grid ber_at_lambda"),
     "latency.png": ("RTT distribution per latency configuration", "no latency.json"),
 }
 
@@ -706,7 +705,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
         md += ["No results: results.jsonl is missing or empty.", ""]
     md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
     md += locate_section(rows)  # experiments with monitored points (docs/locate.md); nothing otherwise
-    md += scaling_section(rows, _plot_line("lambda_collapse.png", drawn))  # size ladder and controls; [] otherwise
+    md += scaling_section(rows, out_dir)  # size ladder and BER-0 controls (experiments/scaling.yaml); [] otherwise
     md += ["## Thresholds: up to which BER does training match a clean link?", "",
            f"A BER passes when every seed ends ok with an eval loss and the mean eval-loss gap to the clean runs is "
            f"at most the tolerance = max({tolerance:g} x the clean mean, {n_std:g} x the clean seeds' standard "

@@ -5,8 +5,16 @@ without `ber_at_lambda` points or controls."""
 
 from __future__ import annotations
 
+import sys
+import traceback
+from pathlib import Path
+
 from testbed.analysis import scaling
 from testbed.analysis.formatting import ber_text, fmt, mode_name
+from testbed.report.plots import plot_lambda_collapse
+
+PLOT_FILE = "lambda_collapse.png"
+PLOT_TITLE = "Lost-step fraction vs λ, every model size"
 
 VERDICT_WORDS = {"agrees": "agrees", "above": "**above**", "below": "**below**", None: "—"}
 
@@ -108,11 +116,22 @@ def time_table(times: list[dict]) -> list[str]:
                    "injector"], rows)
 
 
-def scaling_section(rows: list[dict], plot_line: str) -> list[str]:
-    """The section's markdown lines; [] when the experiment has no lambda points and no controls."""
+def _plot_line(rows: list[dict], out_dir: Path) -> str:
+    try:
+        drawn = plot_lambda_collapse(rows, Path(out_dir) / PLOT_FILE)
+    except Exception as e:  # noqa: BLE001 - the report of a long run must not be lost to a plot
+        traceback.print_exc(file=sys.stderr)
+        return f"*{PLOT_TITLE}: the plot could not be drawn ({type(e).__name__}: {e}).*"
+    return f"![{PLOT_TITLE}]({PLOT_FILE})" if drawn else f"*{PLOT_TITLE}: not drawn, no cell has lost-step counts.*"
+
+
+def scaling_section(rows: list[dict], out_dir: Path) -> list[str]:
+    """The section's markdown lines (and its plot, into out_dir); [] when the experiment has no lambda points
+    and no controls."""
     if not scaling.is_scaling(rows):
         return []
     cells = scaling.lambda_cells(rows)
+    plot_line = _plot_line(rows, out_dir) if cells else ""
     md = ["## Size ladder: lost steps against λ for every model size", ""]
     if cells:
         md += ["Each size, mode and recipe ran at the BERs where the theory expects λ catastrophic values per step "
