@@ -191,3 +191,13 @@ def test_report_section_on_synthetic_rows(tmp_path):
     # an experiment without lambda points or controls has no such section
     plain = write_report(tmp_path / "plain", rows=[row(recipe="default")], latency={}, experiment={}).read_text()
     assert "Size ladder" not in plain
+
+
+def test_run_in_parts_refuses_a_pattern_that_matches_no_recipe(tmp_path):
+    from conftest import tb_cli
+
+    out = tmp_path / "out"
+    r = tb_cli("run", str(ROOT / "experiments" / "scaling.yaml"), "--out", str(out), "--recipes", "huge*,x")
+    assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
+    assert "--recipes huge*,x: no recipe of the grid matches (tiny, tiny-protect" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()

@@ -214,22 +214,23 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
 
     from tqdm import tqdm
 
-    out = Path(out).resolve()
-    (out / "points").mkdir(parents=True, exist_ok=True)
-    runtime = runtime or exp.spec.runtime
-    copy = out / "experiment.yaml"
-    if not (copy.exists() and os.path.samefile(exp.file, copy)):
-        write_atomic(copy, exp.portable_copy())
-    fps = {r: exp.fingerprint(runtime, r) for r in exp.spec.grid.recipe}
-    store = ResultsStore(out, set(fps.values()))
     points = exp.points()
-    if recipes:
+    if recipes:  # checked before anything is written
         chosen = [p for p in points if any(fnmatch.fnmatchcase(p.recipe, pat) for pat in recipes)]
         if not chosen:
             raise ValueError(f"--recipes {','.join(recipes)}: no recipe of the grid matches "
                              f"({', '.join(exp.spec.grid.recipe)})")
         wanted = set(chosen) | {p.baseline for p in chosen}
         points = [p for p in points if p in wanted]
+    out = Path(out).resolve()
+    (out / "points").mkdir(parents=True, exist_ok=True)
+    runtime = runtime or exp.spec.runtime
+    copy = out / "experiment.yaml"
+    if not (copy.exists() and os.path.samefile(exp.file, copy)):
+        write_atomic(copy, exp.portable_copy())
+    # every recipe of the grid (a part keeps the others' rows), and a control's baseline recipe even outside it
+    fps = {r: exp.fingerprint(runtime, r) for r in dict.fromkeys([*exp.spec.grid.recipe, *(p.recipe for p in points)])}
+    store = ResultsStore(out, set(fps.values()))
     done = {p: store.done(p, fps[p.recipe]) for p in points}
     todo = [p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")]
     bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
