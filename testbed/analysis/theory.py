@@ -46,7 +46,7 @@ def gpt2_param_count(n_layer: int, n_embd: int, n_positions: int, vocab_size: in
 
 
 def param_count(model: str | int) -> int:
-    """A preset name ("gpt2-124m", "small", "tiny") or a parameter count -> parameter count."""
+    """A preset name ("gpt2-124m", "mini", "small", "tiny") or a parameter count -> parameter count."""
     if isinstance(model, str):
         if model not in PRESETS:  # model.py's table: it does not import torch
             raise ValueError(f"unknown model {model!r}: use one of {sorted(PRESETS)} or a parameter count")
