@@ -546,7 +546,9 @@ def plot_lambda_collapse(rows: list[dict], path) -> Path | None:
     shown = set()
     for c in cells:
         y, (lo, hi) = c["lost_fraction"], c["lost_ci"]
-        dodge = 1.04 if c["mode"] == "pp" else 1 / 1.04  # DDP and PP at one lambda side by side
+        # every model and mode at one lambda side by side (log axis: a factor per slot)
+        slot = 2 * models.index(c["model"]) + (c["mode"] == "pp") - (2 * len(models) - 1) / 2
+        dodge = 1.035 ** slot
         if c["kind"] == "default":
             key = (c["model"], c["mode"])
             label = None if key in shown else f"{c['model']} {mode_name(c['mode'])}"
@@ -565,7 +567,7 @@ def plot_lambda_collapse(rows: list[dict], path) -> Path | None:
     ax.set_ylabel("fraction of steps lost (skipped updates / steps)")
     ax.set_title("Lost steps vs λ, every model size on one curve (95 % Clopper-Pearson intervals)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     return save_figure(fig, path)
 
 

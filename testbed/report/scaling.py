@@ -60,7 +60,8 @@ def _disagreement_lines(summary: dict) -> list[str]:
     if off:
         pp_fwd = [c for c in off if c["mode"] == "pp" and c["lost_verdict"] == "below" and c["kind"] == "default"]
         out.append("- Disagreeing: " + "; ".join(
-            f"{c['model']} {c['recipe']} {mode_name(c['mode'])} λ {fmt(c['lambda_target'])}: {c['lost']}/{c['steps']} "
+            f"{c['model']} (recipe {c['recipe']}) {mode_name(c['mode'])} λ {fmt(c['lambda_target'])}: "
+            f"{c['lost']}/{c['steps']} "
             f"lost against {fmt(c['predicted_lost'])} predicted ({c['lost_verdict']})" for c in off) + ".")
         if pp_fwd:
             out.append("- PP cells below the prediction: the prediction counts a catastrophic activation going "
@@ -79,7 +80,8 @@ def floor_table(floor: list[dict]) -> list[str]:
         ctl = e["controls"]
         head = (f"**{e['model']}, {mode_name(e['mode'])}** ({e['n_params']:,} parameters): controls at BER 0 "
                 if e["n_params"] else f"**{e['model']}, {mode_name(e['mode'])}**: controls at BER 0 ")
-        parts = [f"{p} {', '.join(fmt(v) for v in c['values'])} (theory without amplification ≤ {_dev(c['bound'])})"
+        parts = [f"{p} {', '.join(fmt(v) for v in c['values'])}"
+                 + (f" (theory without amplification ≤ {fmt(c['bound'])})" if c["bound"] is not None else "")
                  for p, c in sorted(ctl.items())]
         out.append(head + ("; ".join(parts) if parts else "none ran") + ".")
         out.append("")
