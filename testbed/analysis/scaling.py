@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
 from scipy import stats
 
 from testbed.analysis import theory
@@ -157,7 +158,8 @@ def lsb_bound(row: dict) -> float | None:
 
 def chaos_floor(rows: list[dict]) -> list[dict]:
     """Per model and mode: the controls' final deviations (per perturbation: values over seeds and their mean),
-    the BER runs' (per recipe kind and lambda, mean over ok runs), and the theory beside each."""
+    the BER runs' (per recipe kind and lambda, mean over ok runs), the theory beside each, and per recipe kind the
+    log-log slope of the runs' deviation against BER (`slopes`; bounded noise predicts 1/2)."""
     out = []
     keys = sorted({(r.get("model"), r.get("mode")) for r in rows if (r.get("perturb") or "none") != "none"
                    or finite(r.get("ber_at_lambda")) is not None}, key=lambda k: (model_key(k[0]), mode_key(k[1])))
@@ -194,8 +196,14 @@ def chaos_floor(rows: list[dict]) -> list[dict]:
                             "min": min(e["values"]), "theory": pred.noise_deviation if pred else None,
                             "vs_floor": (min(e["values"]) / floor) if floor else None,
                             "distinguishable": (min(e["values"]) > floor) if floor is not None else None})
+        slopes = {}
+        for kind in ("default", "protect", "sanitize"):
+            pts = [(e2["ber"], v) for (k, _), e2 in ber_runs.items() if k == kind for v in e2["values"] if v > 0]
+            if len({b for b, _ in pts}) >= 2:
+                fit = stats.linregress(np.log10([b for b, _ in pts]), np.log10([v for _, v in pts]))
+                slopes[kind] = float(fit.slope)
         out.append({"model": model, "mode": mode, "n_params": next((r.get("n_params") for r in mine), None),
-                    "controls": controls, "floor": floor, "ber_runs": entries})
+                    "controls": controls, "floor": floor, "ber_runs": entries, "slopes": slopes})
     return out
 
 

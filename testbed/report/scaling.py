@@ -105,9 +105,12 @@ def _floor_sentences(floor: list[dict]) -> list[str]:
         said = "; ".join(f"{k} from λ {fmt(v['lambda'])} (BER {ber_text(v['ber'])})" if v else f"{k} at no λ tested"
                          for k, v in where.items() if any(x["kind"] == k for x in e["ber_runs"]))
         zero = [p for p, c in e["controls"].items() if c["values"] and max(c["values"]) == 0]
+        slopes = ", ".join(f"{k} {fmt(v)}" for k, v in e.get("slopes", {}).items())
         out.append(f"- {e['model']} {mode_name(e['mode'])}: the largest control deviation is {fmt(e['floor'])}"
                    + (f" ({', '.join(zero)}: bit-identical to the clean run, the flip never reached the weights)"
-                      if zero else "") + (f"; every run deviates more than every control: {said}." if said else "."))
+                      if zero else "") + (f"; every run deviates more than every control: {said}" if said else "")
+                   + (f"; log-log slope of deviation against BER: {slopes} (bounded noise without amplification: "
+                      "1/2)." if slopes else "."))
     return out
 
 
