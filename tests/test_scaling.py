@@ -4,13 +4,14 @@ trains over a topology is in tests/test_recipes.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from conftest import ROOT
 from testbed.analysis import scaling, theory
-from testbed.experiments.spec import Experiment
+from testbed.experiments.spec import Experiment, format_ber
 from testbed.topology.yamlfile import InputError
 from testbed.train.model import PRESET_PARAMS, PRESETS, build_model, count_params
 
@@ -201,3 +202,50 @@ def test_run_in_parts_refuses_a_pattern_that_matches_no_recipe(tmp_path):
     assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
     assert "--recipes huge*,x: no recipe of the grid matches (tiny, tiny-protect" in r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_a_ladder_with_controls_runs_end_to_end_with_the_process_injector(tmp_path):
+    """`testbed run` on a small ladder (real gloo on loopback, the process injector): a lambda point and two
+    controls per recipe model; rows carry the recipe's model, steps, the lambda and the perturbation; a control's
+    deviation is measured against its baseline recipe's clean run; the report has the size-ladder section."""
+    from conftest import tb_cli
+
+    f = tmp_path / "ladder.yaml"
+    f.write_text(f"""name: ladder
+model: tiny
+steps: 6
+tokens_per_step: 256
+topologies: {{ddp: {PAIR}}}
+recipes:
+  t: {{model: tiny, train: {{injector: process}}}}
+  t-lsb: {{model: tiny, baseline: t, train: {{injector: process, perturb: lsb}}}}
+  t-wlsb: {{model: tiny, baseline: t, train: {{injector: process, perturb: weight-lsb}}}}
+  s: {{model: small, steps: 4, train: {{injector: process}}}}
+grid: {{recipe: [t, t-lsb, t-wlsb, s], mode: [ddp], ber: [0], ber_at_lambda: [1], seed: [1]}}
+train: {{seq_len: 32, eval_every: 3, timeout: 30}}
+""")
+    out = tmp_path / "out"
+    r = tb_cli("run", str(f), "--out", str(out), "--recipes", "t*")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["point"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    ber = float(f"{1 / (2 * theory.param_count('tiny')):.3g}")  # lambda 1 on 2 ranks
+    assert set(rows) == {"ddp-ber0-tensor-fix-t-s1", "ddp-ber0-tensor-fix-t-lsb-s1", "ddp-ber0-tensor-fix-t-wlsb-s1",
+                         f"ddp-ber{format_ber(ber)}-tensor-fix-t-s1"}, sorted(rows)
+    assert all(x["status"] == "ok" and x["injector"] == "process" and x["model"] == "tiny" for x in rows.values())
+    lam = next(x for x in rows.values() if x["ber"] > 0)
+    assert lam["ber_at_lambda"] == 1.0 and lam["perturb"] == "none" and lam["steps"] == 6
+    lsb, wlsb = rows["ddp-ber0-tensor-fix-t-lsb-s1"], rows["ddp-ber0-tensor-fix-t-wlsb-s1"]
+    assert lsb["baseline"] == wlsb["baseline"] == "ddp-ber0-tensor-fix-t-s1"
+    assert lsb["perturb"] == "lsb" and lsb["final_deviation"] == 0.0 and lsb["final_deviation_exact"]
+    assert wlsb["perturb"] == "weight-lsb" and wlsb["final_deviation"] > 0 and wlsb["final_deviation_exact"]
+    md = (out / "report.md").read_text()
+    assert "## Size ladder" in md and "### The chaos floor" in md and (out / "lambda_collapse.png").exists()
+    # the second part: the small recipe, resuming the first part's rows
+    r = tb_cli("run", str(f), "--out", str(out), "--recipes", "s")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows2 = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows2) == 6 and {x["model"] for x in rows2} == {"tiny", "small"}
+    small = [x for x in rows2 if x["model"] == "small"]
+    assert all(x["steps"] == 4 and x["n_params"] == PRESET_PARAMS["small"] for x in small)
+    assert {x["point"]: x["finished_at"] for x in rows2 if x["model"] == "tiny"} == {
+        p: x["finished_at"] for p, x in rows.items()}  # the first part's rows were kept, not re-run
