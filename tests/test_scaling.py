@@ -122,6 +122,11 @@ def test_bad_control_recipes_are_refused(tmp_path, recipe, expect):
     assert expect in problems(tmp_path, text)
 
 
+def test_a_file_wide_perturbation_is_refused(tmp_path):
+    text = LADDER.replace("train: {seq_len: 64}", "train: {seq_len: 64, perturb: order}")
+    assert "train.perturb: a perturbation is a control: set it in a recipe" in problems(tmp_path, text)
+
+
 def test_a_recipe_model_checks_its_own_context(tmp_path):
     text = LADDER.replace("train: {seq_len: 64}", "train: {seq_len: 128}")
     assert "seq_len: must be <= 64 (the context of tiny)" in problems(tmp_path, text)

@@ -257,6 +257,9 @@ class Experiment:
             if name not in defined:
                 problems.append((f"grid.recipe[{i}]", f"unknown recipe {name!r} (the file defines: "
                                                       f"{', '.join(defined)})"))
+        if spec.train.perturb != "none":
+            problems.append(("train.perturb", "a perturbation is a control: set it in a recipe that names its "
+                                              "`baseline` (the recipe it perturbs), not for the whole file"))
         for name, r in spec.recipes.items():
             if r.baseline is not None and (r.baseline not in defined or r.baseline == name):
                 problems.append((f"recipes.{name}.baseline", f"must name another recipe of the file "
