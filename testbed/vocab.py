@@ -7,8 +7,8 @@ import it.
 """
 
 __all__ = ["SCOPES", "CHECKSUM_MODES", "ENGINES", "ENGINE_CHOICES", "FLOAT_FORMATS", "ELEMENT_TYPES", "WIRE_DTYPES",
-           "TORCH_DTYPE_NAMES", "PROTECT_FIELDS", "MODES", "GUARDS", "LATENCY_BERS", "DEFAULT_RECIPE", "ERROR_MODELS",
-           "DEFAULT_TOLERANCE"]
+           "TORCH_DTYPE_NAMES", "PROTECT_FIELDS", "MODES", "GUARDS", "PERTURBATIONS", "LATENCY_BERS", "DEFAULT_RECIPE",
+           "ERROR_MODELS", "DEFAULT_TOLERANCE"]
 
 # What a link's engine corrupts: the TCP payload, the whole frame, or only gloo's tensor bytes (docs/engine.md).
 SCOPES = ("payload", "all", "tensor")
@@ -31,6 +31,9 @@ PROTECT_FIELDS = ("sign", "exponent", "mantissa")  # the fields protect may name
 # Training: the parallelism modes, and what a step whose loss or gradient norm is not finite does.
 MODES = ("ddp", "pp")
 GUARDS = ("skip", "stop", "none", "sanitize")
+# Controls at BER 0 (the chaos floor): none, one mantissa-LSB flip at step 1 of a gradient value or of a weight,
+# another reduction order (testbed/train/recipe.py).
+PERTURBATIONS = ("none", "lsb", "weight-lsb", "order")
 
 # The BERs the latency measurement sweeps by default (testbed bench latency, an experiment file's latency:).
 LATENCY_BERS = (0.0, 1e-6, 1e-5)

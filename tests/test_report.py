@@ -52,7 +52,8 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
     recipe_fields = dict.fromkeys(("lost_step_fraction", "sanitized_values", "frozen_values", "initial_eval_loss",
                                    "made_progress", "flips_sign", "flips_exponent", "flips_mantissa", "bits_exposed",
                                    "queue_dropped", "user_dropped", "tokens_per_step", "optimizer", "clip", "guard", "sanitize_threshold",
-                                   "wire_dtype", "wire_bytes_per_step", "element", "protect", "protected_ber"))
+                                   "wire_dtype", "wire_bytes_per_step", "element", "protect", "protected_ber",
+                                   "ber_at_lambda", "perturb"))
     return results.new_row(**{
         "point": point, "baseline": f"{mode}-ber0-{scope}-{checksum}{tag}-s{seed}", "experiment": "quick",
         "tolerance": 0.01,

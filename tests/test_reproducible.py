@@ -51,3 +51,48 @@ def test_same_seeds_give_the_same_flips_and_parameters_at_every_step(pair, tmp_p
     assert all(len({row[1] for row in rows}) == STEPS for rows in steps_a.values())  # the parameters moved
     if mode == "ddp":  # corrupted gradients arrived (compared with the clean reference allreduce)
         assert sum(row[3] for rows in steps_a.values() for row in rows) > 0
+
+
+def hashes(run_dir) -> dict:
+    """rank -> [(step, param_sha256, perturbed)]"""
+    out = {}
+    for f in sorted(run_dir.glob("metrics-rank*.jsonl")):
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        out[int(f.name.removeprefix("metrics-rank").removesuffix(".jsonl"))] = [
+            (r["step"], r["param_sha256"], r["perturbed"]) for r in rows]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ddp", "pp"])
+def test_perturb_controls_at_ber_0_are_reproducible_and_minimal(pair, tmp_path, mode):
+    """The chaos-floor controls (--perturb, docs/training.md) on real gloo across pair at BER 0: each control run
+    twice gives the same parameters at every step; weight-lsb changes the parameters of the ranks holding the
+    flipped value from step 1 on and not at step 0; lsb flips one gradient value at step 1 and, measured, never
+    reaches the weights (Adam's moments absorb a one-ulp change of one gradient value: the run stays bit-identical
+    to the unperturbed one); order changes the parameters from the first update."""
+    steps = 4
+    runs = {}
+    for perturb in ("none", "lsb", "weight-lsb", "order"):
+        for k in ("a", "b") if perturb != "none" else ("a",):
+            out = tmp_path / f"{perturb}-{k}"
+            s = train(pair.name, cfg(mode, 3, steps=steps, perturb=perturb), out, ber=0.0, scope="tensor", log=quiet)
+            assert s["status"] == "ok", s
+            assert s["bits_flipped"] == 0
+            runs.setdefault(perturb, []).append(hashes(out))
+    clean = runs["none"][0]
+    assert len(clean) == 2 and all(len(rows) == steps for rows in clean.values())
+    for perturb in ("lsb", "weight-lsb", "order"):
+        assert runs[perturb][0] == runs[perturb][1], perturb  # repeat runs are identical, step by step
+    holders = [0, 1] if mode == "ddp" else [0]  # DDP: every replica alike; PP: stage 0 holds wte
+    for perturb in ("lsb", "weight-lsb"):
+        got = runs[perturb][0]
+        for rank, rows in got.items():
+            flipped = [step for step, _, index in rows if index is not None]
+            assert flipped == ([1] if rank in holders else []), (perturb, rank, rows)
+            assert rows[0][1] == clean[rank][0][1], (perturb, rank)  # step 0: nothing perturbed yet
+    w = runs["weight-lsb"][0]
+    for rank in holders:
+        assert all(w[rank][s][1] != clean[rank][s][1] for s in range(1, steps)), w[rank]
+    assert [h for _, h, _ in runs["lsb"][0][0]] == [h for _, h, _ in clean[0]]  # absorbed (see the docstring)
+    order = runs["order"][0]
+    assert order[0][0][1] != clean[0][0][1]  # another summation order: other rounding from the first update

@@ -89,7 +89,10 @@ FIELDS: tuple[Field, ...] = (
     _f("checksum", "str", "grid coordinate: `fix` (errored segments delivered) or `keep` (dropped, resent)",
        error=True),
     _f("seed", "int", "grid coordinate: training and corruption seed", error=True),
-    _f("model", "str", "GPT-2 preset (`tiny`, `small`, `gpt2-124m`)", error=True),
+    _f("ber_at_lambda", "float?", "grid `ber_at_lambda`: the lambda (catastrophic values per step, unprotected wire) "
+                                  "the point's BER was computed for; null: a BER of the grid's `ber`", error=True),
+    _f("model", "str", "GPT-2 preset (`tiny`, `small`, `mini`, `gpt2-124m`; a recipe's `model` or the file's)",
+       error=True),
     _f("steps", "int", "training steps requested", error=True),
     _f("topology", "str?", "name of the topology the point trained on"),
     _f("runtime", "str", "where hosts lived: `netns` or `docker`; `loopback` for injector process (local "
@@ -138,6 +141,7 @@ FIELDS: tuple[Field, ...] = (
     _f("replica_divergence_curve", "list", "[[step, float]]: DDP: max over ranks of the estimated L2 distance "
                                            "from rank 0"),
     _f("final_replica_divergence", "float?", "DDP: max over ranks of the L2 distance from rank 0 at the end"),
+    _f("perturb", "str?", "a control at BER 0 (`lsb`, `weight-lsb`, `order`; docs/training.md); `none` otherwise"),
     _f("n_params", "int", "model parameters (theory overlay)"),
     _f("lr", "float?", "learning rate the run used"),
     _f("grad_clip", "float?", "global-norm clipping the run used (0: none)"),

@@ -46,7 +46,7 @@ def gpt2_param_count(n_layer: int, n_embd: int, n_positions: int, vocab_size: in
 
 
 def param_count(model: str | int) -> int:
-    """A preset name ("gpt2-124m", "small", "tiny") or a parameter count -> parameter count."""
+    """A preset name ("gpt2-124m", "mini", "small", "tiny") or a parameter count -> parameter count."""
     if isinstance(model, str):
         if model not in PRESETS:  # model.py's table: it does not import torch
             raise ValueError(f"unknown model {model!r}: use one of {sorted(PRESETS)} or a parameter count")
@@ -677,6 +677,34 @@ def predict_recipe(ber, mode: str, n_ranks: int, *, n_params: int | str | None =
         sanitized_per_step=sum(bad.values()) * reach if guard == "sanitize" else 0.0,
         frozen_fraction=frozen, p_run_completes=float(np.exp(-ending.get(guard, 0.0) * steps)),
         noise_deviation=noise)
+
+
+LAMBDA_REFERENCE_BER = 1e-9  # lambda is linear in BER to first order: measured there, scaled
+
+
+def lambda_per_ber(mode: str, n_ranks: int, *, n_params: int | str | None = None, batch_size: int | None = None,
+                   seq_len: int | None = None, width: int | None = None,
+                   wire_dtype: str = default_of("wire_dtype")) -> float:
+    """d lambda / d BER of the values on the wire, with nothing protected and no sanitizer (guard skip): the
+    expected catastrophic values per step per unit BER, summed over every rank and hop (`predict_recipe`'s
+    `catastrophic`, first order in BER). DDP: 2 (N-1) n gradient values; PP: the (S-1) B T d activations and as many
+    activation gradients. 0 when no single flip of this wire dtype is catastrophic (fp16 gradients)."""
+    pred = predict_recipe(LAMBDA_REFERENCE_BER, mode, n_ranks, n_params=n_params, batch_size=batch_size,
+                          seq_len=seq_len, width=width, wire_dtype=wire_dtype, guard="skip")
+    return pred.catastrophic / LAMBDA_REFERENCE_BER
+
+
+def ber_at_lambda(lam: float, mode: str, n_ranks: int, **shape) -> float:
+    """The BER at which the unprotected wire carries `lam` catastrophic values per step (lambda; P(step lost) =
+    1 - exp(-lam) under guard skip): lam / lambda_per_ber. ValueError when lam is not a positive number or the
+    wire dtype has no catastrophic single flips."""
+    if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam > 0):
+        raise ValueError(f"lambda must be a positive number, got {lam!r}")
+    per = lambda_per_ber(mode, n_ranks, **shape)
+    if per <= 0:
+        raise ValueError(f"no single flip of a {shape.get('wire_dtype', 'fp32')} value on the {mode} wire is "
+                         "catastrophic: no BER gives lambda > 0")
+    return lam / per
 
 
 TABLE_RECIPES = {"default (fp32, skip, clip norm)": {}, "bf16 wire": {"wire_dtype": "bf16"},

@@ -63,8 +63,13 @@ def cmd_run(args) -> int:
         from testbed.machines.inventory import load_inventory
 
         machines = load_inventory(args.machines)
-    rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed, machines=machines,
-                          cold=args.cold)
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
+    try:
+        rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed,
+                              machines=machines, cold=args.cold, recipes=recipes)
+    except ValueError as e:
+        print(f"testbed run: {e}", file=sys.stderr)
+        return 2
     from testbed.report.report import write_report
 
     report = write_report(args.out)
@@ -103,6 +108,9 @@ def register(sub) -> None:
                    "--machines is always cold)")
     s.add_argument("--machines", metavar="FILE", help="inventory of machines: every point's topology is placed "
                    "across them (docs/machines.md); each row records where every host ran")
+    s.add_argument("--recipes", metavar="PATTERNS", help="only the points of these recipes (comma-separated shell "
+                   "patterns, e.g. 'tiny*,small*') and their clean points: a long experiment in parts; the report "
+                   "covers every point in --out")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("report", help="rebuild plots and report from results",

@@ -10,6 +10,7 @@ brought up topology with fresh workers), and keep results safe across interrupti
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -94,7 +95,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     row = new_row(
         point=point.id, baseline=point.baseline.id, experiment=exp.spec.name, tolerance=exp.spec.tolerance,
         fingerprint=None,
-        **point.params(), model=exp.spec.model, steps=exp.spec.steps,
+        **point.params(), ber_at_lambda=point.lam, model=exp.model_of(point.recipe), steps=exp.steps_of(point.recipe),
         topology=summary.get("topology"), runtime=summary.get("runtime"), injector=cfg_field(summary, "injector"),
         world_size=summary.get("world_size"),
         status=summary.get("status"), reason=summary.get("reason"),
@@ -116,7 +117,8 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         corrupted_values_total=summary.get("corrupted_values_total"),
         deviation_curve=[], final_deviation=None, final_deviation_exact=None,
         replica_divergence_curve=[], final_replica_divergence=None,
-        n_params=param_count(exp.spec.model), lr=cfg_field(summary, "lr"), grad_clip=cfg_field(summary, "grad_clip"),
+        perturb=cfg_field(summary, "perturb"), n_params=param_count(exp.model_of(point.recipe)),
+        lr=cfg_field(summary, "lr"), grad_clip=cfg_field(summary, "grad_clip"),
         batch_size=cfg_field(summary, "batch_size"), seq_len=cfg_field(summary, "seq_len"),
         microbatches=cfg_field(summary, "microbatches"), tokens_per_step=exp.tokens_per_step(point),
         optimizer=cfg_field(summary, "optimizer"), clip=cfg_field(summary, "clip"), guard=cfg_field(summary, "guard"),
@@ -203,24 +205,34 @@ def cfg_field(summary: dict, key: str):
 
 
 def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
-                   log=None, machines=None, cold: bool = False) -> list[dict]:
+                   log=None, machines=None, cold: bool = False, recipes: list[str] | None = None) -> list[dict]:
     """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given.
     Warm (the default on this machine): points that share a topology, runtime and mode run on one topology
     and worker services that stay up (testbed/experiments/warm.py); `cold`: a fresh topology and fresh
-    workers per point."""
+    workers per point. `recipes`: only the points of recipes matching one of these shell patterns (and the
+    clean points they are compared with): a long experiment in parts, each run resuming the results of the
+    others."""
     from testbed.experiments.warm import WarmSweep
 
     from tqdm import tqdm
 
+    points = exp.points()
+    if recipes:  # checked before anything is written
+        chosen = [p for p in points if any(fnmatch.fnmatchcase(p.recipe, pat) for pat in recipes)]
+        if not chosen:
+            raise ValueError(f"--recipes {','.join(recipes)}: no recipe of the grid matches "
+                             f"({', '.join(exp.spec.grid.recipe)})")
+        wanted = set(chosen) | {p.baseline for p in chosen}
+        points = [p for p in points if p in wanted]
     out = Path(out).resolve()
     (out / "points").mkdir(parents=True, exist_ok=True)
     runtime = runtime or exp.spec.runtime
     copy = out / "experiment.yaml"
     if not (copy.exists() and os.path.samefile(exp.file, copy)):
         write_atomic(copy, exp.portable_copy())
-    fps = {r: exp.fingerprint(runtime, r) for r in exp.spec.grid.recipe}
+    # every recipe of the grid (a part keeps the others' rows), and a control's baseline recipe even outside it
+    fps = {r: exp.fingerprint(runtime, r) for r in dict.fromkeys([*exp.spec.grid.recipe, *(p.recipe for p in points)])}
     store = ResultsStore(out, set(fps.values()))
-    points = exp.points()
     done = {p: store.done(p, fps[p.recipe]) for p in points}
     todo = [p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")]
     bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
@@ -279,7 +291,8 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
     except Exception as e:
         return error_row(point=point.id, baseline=point.baseline.id, experiment=exp.spec.name,
                          tolerance=exp.spec.tolerance, fingerprint=fp,
-                         **point.params(), model=exp.spec.model, steps=exp.spec.steps, runtime=runtime or "netns",
+                         **point.params(), ber_at_lambda=point.lam, model=exp.model_of(point.recipe),
+                         steps=exp.steps_of(point.recipe), runtime=runtime or "netns",
                          injector=train_config(exp, point).injector,
                          status="error", reason=f"{type(e).__name__}: {e}", steps_completed=0,
                          finished_at=time.time(), run_dir=f"points/{point.id}")

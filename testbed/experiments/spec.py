@@ -75,6 +75,10 @@ class GridSpec(_Strict):
     scope: list[Literal[SCOPES]] = Field(default_factory=lambda: ["tensor"], min_length=1)
     checksum: list[Literal[CHECKSUM_MODES]] = Field(default_factory=lambda: ["fix"], min_length=1)
     seed: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [1], min_length=1)
+    # BERs given as the theory's lambda (catastrophic values per step, docs/theory.md section 4): per recipe and
+    # mode, from its model, shape and wire dtype (theory.ber_at_lambda); added to `ber`
+    ber_at_lambda: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(default=None,
+                                                                                           min_length=1)
 
 
 def train_spec(partial: bool = False) -> type[BaseModel]:
@@ -100,7 +104,7 @@ ModelName = Literal[tuple(PRESETS)]
 
 # Training settings added after results had been published, with their defaults: a point that leaves them so
 # keeps its earlier fingerprint (finished points stay reusable); any other value is part of the hash.
-LATER_DEFAULTS = {"injector": "wire", "device": "cpu", "monitor": False, "on_detection": "none"}
+LATER_DEFAULTS = {"injector": "wire", "device": "cpu", "monitor": False, "on_detection": "none", "perturb": "none"}
 
 
 class LatencySpec(_Strict):
@@ -126,6 +130,13 @@ class RecipeSpec(_Strict):
     link: LinkSpec = Field(default_factory=LinkSpec)
     topology: str | None = Field(default=None, description="this recipe's topology file, for every mode "
                                                             "(instead of `topologies`)")
+    model: ModelName | None = Field(default=None, description="this recipe's GPT-2 preset (instead of the file's "
+                                                               "`model`): a size ladder in one file")
+    steps: int | None = Field(default=None, ge=1, description="this recipe's training steps (instead of the file's "
+                                                              "`steps`)")
+    baseline: Annotated[str, Field(pattern=RECIPE_NAME)] | None = Field(
+        default=None, description="a control (train: perturb): the recipe whose clean runs its weight deviation is "
+                                  "measured against; a control runs at BER 0 only")
 
 
 class FaultSpec(_Strict):
@@ -171,6 +182,8 @@ class Point:
     checksum: str
     seed: int
     recipe: str = DEFAULT_RECIPE
+    lam: float | None = None  # grid.ber_at_lambda: the lambda the BER was computed for
+    against: str | None = None  # a control's baseline recipe (RecipeSpec.baseline)
 
     @property
     def id(self) -> str:
@@ -181,8 +194,9 @@ class Point:
 
     @property
     def baseline(self) -> "Point":
-        """The clean run this point is compared with: same recipe, mode, scope, checksum and seed at BER 0."""
-        return Point(self.mode, 0.0, self.scope, self.checksum, self.seed, self.recipe)
+        """The clean run this point is compared with: same recipe, mode, scope, checksum and seed at BER 0 (a
+        control: its baseline recipe's)."""
+        return Point(self.mode, 0.0, self.scope, self.checksum, self.seed, self.against or self.recipe)
 
     def params(self) -> dict:
         return {"recipe": self.recipe, "mode": self.mode, "ber": self.ber, "scope": self.scope,
@@ -257,6 +271,21 @@ class Experiment:
             if name not in defined:
                 problems.append((f"grid.recipe[{i}]", f"unknown recipe {name!r} (the file defines: "
                                                       f"{', '.join(defined)})"))
+        if spec.train.perturb != "none":
+            problems.append(("train.perturb", "a perturbation is a control: set it in a recipe that names its "
+                                              "`baseline` (the recipe it perturbs), not for the whole file"))
+        for name, r in spec.recipes.items():
+            if r.baseline is not None and (r.baseline not in defined or r.baseline == name):
+                problems.append((f"recipes.{name}.baseline", f"must name another recipe of the file "
+                                                             f"({', '.join(n for n in defined if n != name)})"))
+            elif r.baseline is not None and not self.is_control(name):
+                problems.append((f"recipes.{name}.baseline", "only a control (train: perturb lsb, weight-lsb or "
+                                                             "order) is measured against another recipe"))
+            elif r.baseline is not None and self.is_control(r.baseline):
+                problems.append((f"recipes.{name}.baseline", f"{r.baseline} is a control itself (perturbed)"))
+            elif self.is_control(name) and r.baseline is None:
+                problems.append((f"recipes.{name}.baseline", "a control (train: perturb) must name the recipe it "
+                                                             "perturbs, whose clean runs it is compared with"))
         if problems:
             return problems
         if spec.tokens_per_step is not None:
@@ -278,6 +307,14 @@ class Experiment:
                 if problems:
                     return problems  # every recipe would repeat them
                 continue
+            for i, lam in enumerate(spec.grid.ber_at_lambda or []):
+                for mode in spec.grid.mode:
+                    if self.is_control(name) or any(p[0].startswith("recipes.") for p in problems):
+                        continue
+                    try:
+                        self.ber_at_lambda(name, mode, lam)
+                    except ValueError as e:
+                        problems.append((f"grid.ber_at_lambda[{i}]", f"recipe {name}, {mode}: {e}"))
             link = self.recipe(name).link
             if link.model_dump(exclude_none=True) and set(spec.grid.scope) != {"tensor"}:
                 problems.append((f"recipes.{name}.link", "element, protect and protected_ber need scope tensor "
@@ -337,6 +374,34 @@ class Experiment:
         """A recipe by name; `default` is the empty recipe unless the file defines it."""
         return self.spec.recipes.get(name) or RecipeSpec()
 
+    def model_of(self, recipe: str) -> str:
+        """The GPT-2 preset of a recipe's points: the recipe's `model`, else the file's."""
+        return self.recipe(recipe).model or self.spec.model
+
+    def steps_of(self, recipe: str) -> int:
+        """The training steps of a recipe's points: the recipe's `steps`, else the file's."""
+        return self.recipe(recipe).steps or self.spec.steps
+
+    def is_control(self, recipe: str) -> bool:
+        """A recipe that perturbs a clean run (train: perturb other than none): it runs at BER 0 only."""
+        return (self.recipe(recipe).train.perturb or "none") != "none"
+
+    def ber_at_lambda(self, recipe: str, mode: str, lam: float) -> float:
+        """The BER at which the theory expects `lam` catastrophic values per step on this recipe's wire (its model,
+        batch, sequence length, ranks and wire dtype; nothing protected: theory.ber_at_lambda), to 3 significant
+        digits. ValueError when there is none, or it exceeds 0.5."""
+        from testbed.analysis import theory
+
+        cfg = self._settings(Point(mode, 0.0, "tensor", "fix", 0, recipe), self.recipe(recipe))
+        ranks = self.world_size(mode, cfg.hosts, recipe)
+        shape = ({"n_params": cfg.model} if mode == "ddp" else
+                 {"batch_size": cfg.batch_size, "seq_len": seq_len_of(cfg.model, cfg.seq_len),
+                  "width": PRESETS[cfg.model].n_embd})
+        ber = float(f"{theory.ber_at_lambda(lam, mode, ranks, wire_dtype=cfg.wire_dtype, **shape):.3g}")
+        if ber > 0.5:
+            raise ValueError(f"lambda {lam:g} needs BER {ber:g} > 0.5")
+        return ber
+
     def world_size(self, mode: str, hosts: int | None = None, recipe: str | None = None) -> int:
         """Ranks of a mode's points: the topology's hosts, or the first `hosts` of them."""
         n = len(self.topology(mode, recipe).hosts)
@@ -355,8 +420,9 @@ class Experiment:
         if point.scope != "tensor":
             t["collectives"] = None
         tokens = self.spec.tokens_per_step
+        model = (recipe.model if recipe is not None else None) or self.spec.model
         if tokens is not None:
-            seq = seq_len_of(self.spec.model, t["seq_len"])
+            seq = seq_len_of(model, t["seq_len"])
             per = seq * (self.world_size(point.mode, t["hosts"], point.recipe) if point.mode == "ddp" else 1)
             if tokens % per:
                 what = "seq_len x ranks" if point.mode == "ddp" else "seq_len"
@@ -366,7 +432,8 @@ class Experiment:
             if point.mode == "pp" and t["batch_size"] % micro:
                 raise ValueError(f"tokens_per_step {tokens} gives a batch of {t['batch_size']} sequences, not a "
                                  f"multiple of {micro} micro-batches")
-        return settings.TrainSettings(mode=point.mode, model=self.spec.model, steps=self.spec.steps,
+        steps = (recipe.steps if recipe is not None else None) or self.spec.steps
+        return settings.TrainSettings(mode=point.mode, model=model, steps=steps,
                                       seed=point.seed, run_timeout=self.spec.point_timeout, **t)
 
     def tokens_per_step(self, point: Point) -> int:
@@ -391,12 +458,21 @@ class Experiment:
     def points(self) -> list[Point]:
         """The grid, with any missing BER-0 baselines added, baselines first (deviation needs them)."""
         g = self.spec.grid
-        pts = [Point(m, b, s, c, seed, r) for r, m, b, s, c, seed
-               in itertools.product(g.recipe, g.mode, g.ber, g.scope, g.checksum, g.seed)]
+        pts = [Point(m, b, s, c, seed, r, against=self.recipe(r).baseline) for r, m, b, s, c, seed
+               in itertools.product(g.recipe, g.mode, g.ber, g.scope, g.checksum, g.seed)
+               if b == 0 or not self.is_control(r)]
+        for r, m, lam in itertools.product(g.recipe, g.mode, g.ber_at_lambda or []):
+            if self.is_control(r):
+                continue
+            b = self.ber_at_lambda(r, m, lam)
+            pts += [Point(m, b, s, c, seed, r, lam) for s, c, seed in itertools.product(g.scope, g.checksum, g.seed)
+                    if b not in g.ber]
+        pts = list(dict.fromkeys(pts))
         base = {p.baseline for p in pts}
 
         def order(p: Point) -> tuple:
-            return (p.mode, p.scope, p.checksum, g.recipe.index(p.recipe), p.ber, p.seed)
+            return (p.mode, p.scope, p.checksum, g.recipe.index(p.recipe) if p.recipe in g.recipe else -1, p.ber,
+                    p.seed)
 
         return sorted(base, key=order) + sorted((p for p in pts if p not in base), key=order)
 
@@ -408,6 +484,10 @@ class Experiment:
         d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies",
                                           "recipes", "tokens_per_step", "fault", "tolerance"})
         r = self.recipe(recipe)
+        if r.model is not None:
+            d["model"] = r.model
+        if r.steps is not None:
+            d["steps"] = r.steps
         d["train"].update(r.train.model_dump(exclude_unset=True))
         for k, v in LATER_DEFAULTS.items():  # at their defaults, settings added later leave the hash as it was
             if d["train"].get(k) == v:

@@ -525,6 +525,52 @@ def plot_latency(latency: dict | None, path) -> Path | None:
     return save_figure(fig, path)
 
 
+def plot_lambda_collapse(rows: list[dict], path) -> Path | None:
+    """(Drawn by the size-ladder section, testbed/report/scaling.py, only for experiments that have one.) The size
+    ladder (testbed/analysis/scaling.py): measured lost-step fraction (pooled over seeds, Clopper-Pearson
+    95 % interval) against the theory's lambda of the unprotected wire at the point's BER, every model on the one
+    curve 1 - exp(-lambda); a color per model, DDP filled and PP open markers; the protect and sanitize recipes
+    (predicted: no lost step) as small gray markers at the same lambda."""
+    from testbed.analysis import scaling
+
+    cells = [c for c in scaling.lambda_cells(rows) if c["lost_fraction"] is not None and c["wire_lambda"]]
+    if not cells:
+        return None
+    fig, (ax,) = _figure(1, width=7.5, height=5.0)
+    lams = [c["wire_lambda"] for c in cells]
+    grid = np.logspace(math.log10(min(lams)) - 0.3, math.log10(max(lams)) + 0.3, 100)
+    ax.plot(grid, scaling.fraction_curve(grid), color="black", linewidth=1.4, label="theory: 1 - exp(-λ)")
+    models = sorted({c["model"] for c in cells}, key=scaling.model_key)
+    palette = colormaps["viridis"]
+    colors = {m: palette(0.1 + 0.75 * i / max(len(models) - 1, 1)) for i, m in enumerate(models)}
+    shown = set()
+    for c in cells:
+        y, (lo, hi) = c["lost_fraction"], c["lost_ci"]
+        # every model and mode at one lambda side by side (log axis: a factor per slot)
+        slot = 2 * models.index(c["model"]) + (c["mode"] == "pp") - (2 * len(models) - 1) / 2
+        dodge = 1.035 ** slot
+        if c["kind"] == "default":
+            key = (c["model"], c["mode"])
+            label = None if key in shown else f"{c['model']} {mode_name(c['mode'])}"
+            shown.add(key)
+            ax.errorbar([c["wire_lambda"] * dodge], [y], yerr=[[y - lo], [hi - y]], color=colors[c["model"]],
+                        marker="o" if c["mode"] == "ddp" else "s", markersize=6, linestyle="", capsize=3,
+                        markerfacecolor=colors[c["model"]] if c["mode"] == "ddp" else "white", label=label)
+        else:
+            label = None if "other" in shown else "protect / sanitize recipes (theory: no lost step)"
+            shown.add("other")
+            ax.errorbar([c["wire_lambda"] * dodge], [y], yerr=[[y - lo], [hi - y]], color="gray", marker=".",
+                        linestyle="", capsize=2, alpha=0.7, label=label)
+    ax.set_xscale("log")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("λ: catastrophic values per step the theory expects (unprotected fp32 wire, at the point's BER)")
+    ax.set_ylabel("fraction of steps lost (skipped updates / steps)")
+    ax.set_title("Lost steps vs λ, every model size on one curve (95 % Clopper-Pearson intervals)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    return save_figure(fig, path)
+
+
 # file name -> (function, input): report.py draws them all in this order
 PLOTS = {
     "loss_vs_step.png": (plot_loss_vs_step, "rows"),

@@ -30,6 +30,7 @@ from testbed.locate.scores import locate_section
 from testbed.report import plots
 from testbed.analysis import theory
 from testbed.report.calibration import calibration_section
+from testbed.report.scaling import scaling_section
 from testbed.analysis.analysis import (BOUND_LEVEL, LATENCY_STATS, PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES,
                                       aggregate, deviation_fits, interval, latency_entries, orderings, point_config,
                                       published_verdict, retransmission_penalties, sum_or_none, theory_comparison,
@@ -892,6 +893,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     else:
         md += ["No results: results.jsonl is missing or empty.", ""]
     md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
+    md += scaling_section(rows, out_dir)  # size ladder and BER-0 controls (experiments/scaling.yaml); [] otherwise
     md += thresholds_section(agg, th, tolerance, tol_source, drawn)
     if fits:
         md += deviation_section(rows, fits)

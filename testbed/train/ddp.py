@@ -112,12 +112,16 @@ class DDPTrainer:
                       "sanitized": 0, "comm_time_s": 0.0, "reference_time_s": 0.0,
                       "corrupted_values": 0 if self.args.reference else None}
         a = self.args
-        x, y = get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, self.rank)
+        x, y = recipe.perturb_order(*get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, self.rank),
+                                    a.perturb)
         x, y = x.to(self.device), y.to(self.device)
         loss = F.cross_entropy(logits_of(self.model, x).flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # runs the comm hook once per bucket
         params = [p for p in self.module.parameters() if p.grad is not None]
+        self.perturbed = None
+        if a.perturb == "lsb":  # the allreduced gradient, every replica alike (as a reduce-scatter hit)
+            self.perturbed = recipe.perturb_lsb_(params, step)
         total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # this replica's, before clipping
         grad_norm, loss_local = float(total_norm), float(loss.detach())
         # Every rank reports the mean loss over ranks and whether any rank saw a non-finite loss or gradient,
@@ -131,8 +135,10 @@ class DDPTrainer:
             recipe.clip_(params, a, total_norm)
             recipe.set_lr(self.opt, lr)
             self.opt.step()
+        if a.perturb == "weight-lsb":  # one parameter value, after the update
+            self.perturbed = recipe.perturb_lsb_(params, step, "weight")
         return {"loss": float(t[0]) / self.world_size, "loss_local": loss_local, "grad_norm": grad_norm,
-                "skipped": skipped, "lr": lr, **self.stats}
+                "skipped": skipped, "lr": lr, "perturbed": self.perturbed, **self.stats}
 
     def frozen_values(self):
         return recipe.frozen_values(self.opt)

@@ -17,12 +17,15 @@ class Preset(NamedTuple):
     vocab_size: int
 
 
-PRESETS = {
-    "gpt2-124m": Preset(12, 12, 768, 1024, 50257),  # GPT-2 small: 124,439,808 parameters (tied embeddings)
-    "small": Preset(4, 4, 128, 128, 2048),
-    "tiny": Preset(4, 2, 64, 64, 512),  # 4 layers: one block per stage on a 4-host chain
+PRESETS = {  # the size ladder, largest first: 525x from tiny to gpt2-124m (parameters with tied embeddings)
+    "gpt2-124m": Preset(12, 12, 768, 1024, 50257),  # GPT-2 small: 124,439,808 parameters
+    "mini": Preset(6, 6, 384, 256, 8192),  # 13,891,584 (head size 64, as GPT-2's)
+    "small": Preset(4, 4, 128, 128, 2048),  # 1,071,872
+    "tiny": Preset(4, 2, 64, 64, 512),  # 236,928; 4 layers: one block per stage on a 4-host chain
 }
 GPT2_124M_PARAMS = 124_439_808  # a test checks that build_model("gpt2-124m") has exactly this many
+# Parameters of every preset (tied embeddings); a test checks each against build_model and the theory's formula
+PRESET_PARAMS = {"gpt2-124m": GPT2_124M_PARAMS, "mini": 13_891_584, "small": 1_071_872, "tiny": 236_928}
 
 
 def preset(name):

@@ -198,7 +198,7 @@ class PPTrainer:
                       "wire_bytes": 0, "sanitized": 0}
         a = self.args
         # every stage draws the same global batch (data-parallel rank 0); stage 0 uses x, the last uses y
-        x, y = get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, 0)
+        x, y = recipe.perturb_order(*get_batch(self.data.train, a.batch_size, a.seq_len, a.seed, step, 0), a.perturb)
         self.opt.zero_grad(set_to_none=True)
         wait0, log0 = _p2p_wait["seconds"], len(_p2p_wait["log"])
         self.crcs = {k: [] for k in ("fwd_sent", "fwd_recv", "bwd_sent", "bwd_recv")}
@@ -218,6 +218,9 @@ class PPTrainer:
             self.boundary_log = self._compare_boundaries()
         # global gradient norm over all stages, agreed over the management network
         params = [p for p in self.module.parameters() if p.grad is not None]
+        self.perturbed = None
+        if a.perturb == "lsb" and self.first:  # one value of stage 0's gradients
+            self.perturbed = recipe.perturb_lsb_(params, step)
         sq = torch.tensor([sum(float(p.grad.pow(2).sum()) for p in params)], dtype=torch.float64)
         self.mgmt.allreduce([sq]).wait()
         grad_norm = float(sq.sqrt())
@@ -229,8 +232,11 @@ class PPTrainer:
             recipe.clip_(params, a, sq.sqrt()[0])
             recipe.set_lr(self.opt, lr)
             self.opt.step()
+        if a.perturb == "weight-lsb" and self.first:  # one parameter value, after the update
+            self.perturbed = recipe.perturb_lsb_(params, step, "weight")
         s = self.stats
         return {"loss": shared_loss, "loss_local": loss, "grad_norm": grad_norm, "skipped": skipped, "lr": lr,
+                "perturbed": self.perturbed,
                 "comm_time_s": comm, "nonfinite_received": s["nonfinite_activations"] + s["nonfinite_gradients"],
                 **s}
 

@@ -38,6 +38,30 @@ def sanitize(t, threshold):
     return t.masked_fill(bad, 0), int(bad.sum())
 
 
+PERTURB_LSB_STEP = 1  # --perturb lsb / weight-lsb flip one value at this step (0-based: the second update)
+
+
+@torch.no_grad()
+def perturb_lsb_(params, step, what="gradient"):
+    """--perturb lsb (what="gradient", called before the norm and clipping) and weight-lsb (what="weight", called
+    after the optimizer step): at PERTURB_LSB_STEP, flip the least significant mantissa bit (bit 0) of one fp32
+    value in place: element i of the first parameter with a gradient (wte in GPT-2 and in PP's stage 0), i = the
+    largest-magnitude element of that gradient, the lowest flat index on a tie (torch.argmax). Returns i, or None
+    at any other step."""
+    if step != PERTURB_LSB_STEP:
+        return None
+    p = next(p for p in params if p.grad is not None)
+    i = int(p.grad.view(-1).abs().argmax())
+    target = p.grad if what == "gradient" else p
+    target.view(-1)[i: i + 1].view(torch.int32).bitwise_xor_(1)
+    return i
+
+
+def perturb_order(x, y, perturb):
+    """--perturb order: the batch's sequences in reverse order (the same batch, summed in another order)."""
+    return (x.flip(0), y.flip(0)) if perturb == "order" else (x, y)
+
+
 def make_optimizer(params, a):
     """AdamW or SGD; weight decay on matrices (embeddings, linear weights) only, as nanoGPT does."""
     params = [p for p in params if p.requires_grad]

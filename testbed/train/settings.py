@@ -26,7 +26,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import NamedTuple
 
 from testbed.train.model import PRESETS
-from testbed.vocab import GUARDS, MODES, WIRE_DTYPES
+from testbed.vocab import GUARDS, MODES, PERTURBATIONS, WIRE_DTYPES
 
 # list: of strings; tuple: a fixed number of floats (tuple[float, float]); both comma-separated on a command line
 KINDS = (bool, int, float, str, list, tuple)
@@ -244,6 +244,15 @@ class TrainSettings:
                                    "per-bucket collective times and the host's TCP counters, and send it all to "
                                    "rank 0 over the management network, which writes RUN_DIR/monitor-ranks.jsonl; "
                                    "`testbed locate RUN_DIR` reads it")
+    perturb: str = setting("none", "a control at BER 0 (the chaos floor; docs/training.md): lsb flips the least "
+                                   "significant mantissa bit of one gradient value once, at step 1 (element i of "
+                                   "the first parameter's gradient, wte, i = its largest-magnitude element, after "
+                                   "the allreduce and before clipping, on every DDP replica alike; PP: stage 0); "
+                                   "weight-lsb flips that bit of the same parameter element after step 1's update; "
+                                   "order reverses the sequences of every batch (DDP: each rank's, PP: the global "
+                                   "batch), so the loss mean and every weight gradient sum over the batch in "
+                                   "another order (the same mathematics, other rounding); none: no control",
+                           choices=PERTURBATIONS)
     # the launcher's own settings: not passed to the workers
     on_detection: str = setting("none", "with --monitor: what the launcher does when a detector first becomes "
                                         "confident: none, or clean: set the named link's BER to 0 on both "
