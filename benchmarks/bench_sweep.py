@@ -5,7 +5,9 @@ A fixed subset of experiments/calibrate.yaml, both injectors (recipes wire and p
 topologies/pair.yaml: BER 0 and 1e-4, seeds 1 and 2, 100 steps (16 points per run), run cold and warm in
 turn `--reps` times. Per (recipe, mode): the median seconds per point (the time from one point's row to the
 next, set-up and row included), the part of it that is training (the workers' own step times, slowest rank,
-summed over the steps), and the ratio cold / warm. Run as root from the repository root:
+summed over the steps), and the ratio cold / warm; then the median of each phase of a point (the rows'
+phase_times_s: set-up, the workers' start, rendezvous, build, steps, eval, fingerprints, exit, finish). Run as
+root from the repository root:
 
     .venv/bin/python benchmarks/bench_sweep.py [--steps 100] [--reps 1] [--out F]
 
@@ -47,7 +49,8 @@ def one_run(exp: Experiment, out: Path, cold: bool) -> list[dict]:
     points, prev = [], started
     for r in rows:
         points.append({"point": r["point"], "recipe": r["recipe"], "mode": r["mode"], "status": r["status"],
-                       "s": r["finished_at"] - prev, "train_s": sum(r["step_time_curve"])})
+                       "s": r["finished_at"] - prev, "train_s": sum(r["step_time_curve"]),
+                       "phases": r.get("phase_times_s") or {}})
         prev = r["finished_at"]
     return points
 
@@ -66,6 +69,8 @@ def main() -> None:
                 t = time.monotonic()
                 runs[kind] += one_run(exp, Path(tmp) / f"{kind}-{rep}", cold=kind == "cold")
                 print(f"rep {rep + 1}/{a.reps} {kind}: {time.monotonic() - t:.1f}s", file=sys.stderr, flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"steps": a.steps, "reps": a.reps, "points": runs}, indent=1))
     print(f"{'recipe':8} {'mode':4} {'cold s/pt':>9} {'train':>6} {'warm s/pt':>9} {'train':>6} {'ratio':>6}")
     summary = []
     for recipe in exp.spec.grid.recipe:
@@ -83,6 +88,20 @@ def main() -> None:
     if a.out:
         Path(a.out).write_text(json.dumps({"steps": a.steps, "reps": a.reps, "summary": summary, "points": runs},
                                           indent=1))
+    # where a point's time went (the rows' phase_times_s, medians; docs/experiments.md)
+    phases = ("setup", "launch", "import", "data", "connect", "build", "steps", "eval", "fingerprint", "loop",
+              "exit", "finish")
+    print(f"\n{'median s':18} {' '.join(f'{n[:7]:>7}' for n in phases)} {'other':>7}")
+    for recipe in exp.spec.grid.recipe:
+        for mode in exp.spec.grid.mode:
+            for kind, pts in runs.items():
+                mine = [x for x in pts if (x["recipe"], x["mode"]) == (recipe, mode) and x["phases"]]
+                if not mine:
+                    continue
+                med = {n: statistics.median(x["phases"].get(n, 0.0) for x in mine) for n in phases}
+                # other: the rest of a point's seconds (from the previous row): results.jsonl, the runner
+                other = statistics.median(x["s"] - sum(x["phases"].get(n, 0.0) for n in phases) for x in mine)
+                print(f"{recipe:8} {mode:4} {kind:4} {' '.join(f'{med[n]:7.2f}' for n in phases)} {other:7.2f}")
 
 
 if __name__ == "__main__":
