@@ -278,6 +278,9 @@ def phase_times(run_dir, world_size, spawned_at, ended_at):
     teardown, the process's exit, the launcher's poll). A phase no rank reached is left out."""
     out = {}
     times = [_read_status(run_dir, r).get("times") or {} for r in range(world_size)]
+    for t in times:  # a process's start is known to a clock tick (10 ms): never before its spawn
+        if t.get("started") is not None:
+            t["started"] = max(t["started"], spawned_at)
 
     def slowest(f):
         v = [x for x in (f(t) for t in times) if x is not None]

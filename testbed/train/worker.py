@@ -151,12 +151,10 @@ def wait_for_listener(addr, port, timeout_s, poll_s=0.005):
 
 def process_start_time():
     """When this process started (unix time), from /proc: a fresh worker's time includes its imports."""
-    try:
+    try:  # field 22, start time: clock ticks since boot (CLOCK_BOOTTIME)
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
-                    if ln.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 
