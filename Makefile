@@ -56,7 +56,7 @@ image: deps docker-engine
 	$(VENV)/bin/testbed image build
 
 # The main job: experiments/quick.yaml (tiny GPT-2, DDP and PP, two recipes, three BERs, the fix/keep latency
-# comparison), about 5 minutes on 2 cores. Re-running resumes: finished points are kept.
+# comparison), about 1-2 minutes on 2 cores. Re-running resumes: finished points are kept.
 DEMO_OUT ?= demo-out
 demo: deps
 	$(VENV)/bin/testbed doctor || true

@@ -5,7 +5,11 @@ A fixed subset of experiments/calibrate.yaml, both injectors (recipes wire and p
 topologies/pair.yaml: BER 0 and 1e-4, seeds 1 and 2, 100 steps (16 points per run), run cold and warm in
 turn `--reps` times. Per (recipe, mode): the median seconds per point (the time from one point's row to the
 next, set-up and row included), the part of it that is training (the workers' own step times, slowest rank,
-summed over the steps), and the ratio cold / warm. Run as root from the repository root:
+summed over the steps), its work (steps, evals, fingerprints, the loop: what cold and warm both do) and the
+rest, the ratio cold / warm (of the medians, and the median of each repetition's ratio), and the bound the work
+puts on it (a warm point that cost nothing beyond its work: (cold rest + warm work) / warm work); then the median
+of each phase of a point (the rows' phase_times_s: set-up, the workers' start, rendezvous, build, steps, eval,
+fingerprints, exit, finish). Run as root from the repository root:
 
     .venv/bin/python benchmarks/bench_sweep.py [--steps 100] [--reps 1] [--out F]
 
@@ -40,14 +44,21 @@ def subset(tmp: Path, steps: int) -> Experiment:
     return Experiment.load(f)
 
 
-def one_run(exp: Experiment, out: Path, cold: bool) -> list[dict]:
-    """Per point: recipe, mode, status, seconds (since the previous point's row) and training seconds."""
+# a point's own work (phase_times_s): what a cold and a warm point both do, whatever runs them
+WORK = ("steps", "eval", "fingerprint", "loop")
+
+
+def one_run(exp: Experiment, out: Path, cold: bool, rep: int = 0) -> list[dict]:
+    """Per point: recipe, mode, status, seconds (since the previous point's row), training seconds (the steps)
+    and work seconds (WORK)."""
     started = time.time()
     rows = sorted(run_experiment(exp, out, cold=cold, log=lambda m: None), key=lambda r: r["finished_at"])
     points, prev = [], started
     for r in rows:
+        phases = r.get("phase_times_s") or {}
         points.append({"point": r["point"], "recipe": r["recipe"], "mode": r["mode"], "status": r["status"],
-                       "s": r["finished_at"] - prev, "train_s": sum(r["step_time_curve"])})
+                       "s": r["finished_at"] - prev, "train_s": sum(r["step_time_curve"]),
+                       "work_s": sum(phases.get(k, 0.0) for k in WORK), "rep": rep, "phases": phases})
         prev = r["finished_at"]
     return points
 
@@ -64,25 +75,57 @@ def main() -> None:
         for rep in range(a.reps):
             for kind in ("cold", "warm"):
                 t = time.monotonic()
-                runs[kind] += one_run(exp, Path(tmp) / f"{kind}-{rep}", cold=kind == "cold")
+                runs[kind] += one_run(exp, Path(tmp) / f"{kind}-{rep}", cold=kind == "cold", rep=rep)
                 print(f"rep {rep + 1}/{a.reps} {kind}: {time.monotonic() - t:.1f}s", file=sys.stderr, flush=True)
-    print(f"{'recipe':8} {'mode':4} {'cold s/pt':>9} {'train':>6} {'warm s/pt':>9} {'train':>6} {'ratio':>6}")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"steps": a.steps, "reps": a.reps, "points": runs}, indent=1))
+    # per (recipe, mode): medians over every repetition's points; the ratio also per repetition (cold and warm
+    # ran one after the other: the load of the shared cores changes less within one), and its median
+    print(f"{'recipe':8} {'mode':4} {'cold s/pt':>9} {'work':>5} {'rest':>5} {'warm s/pt':>9} {'work':>5} "
+          f"{'rest':>5} {'ratio':>6} {'per rep':>7}  bound")
     summary = []
     for recipe in exp.spec.grid.recipe:
         for mode in exp.spec.grid.mode:
-            med = {}
+            med, fails = {}, 0
             for kind, pts in runs.items():
                 mine = [x for x in pts if (x["recipe"], x["mode"]) == (recipe, mode)]
-                med[kind] = (statistics.median(x["s"] for x in mine), statistics.median(x["train_s"] for x in mine),
-                             sum(x["status"] != "ok" for x in mine))
-            (cs, ct, cf), (ws, wt, wf) = med["cold"], med["warm"]
-            summary.append({"recipe": recipe, "mode": mode, "cold_s": cs, "cold_train_s": ct, "warm_s": ws,
-                            "warm_train_s": wt, "ratio": cs / ws, "not_ok": cf + wf})
-            print(f"{recipe:8} {mode:4} {cs:9.2f} {ct / cs:6.0%} {ws:9.2f} {wt / ws:6.0%} {cs / ws:5.1f}x"
-                  + (f"  ({cf + wf} points not ok)" if cf + wf else ""))
+                med[kind] = {"s": statistics.median(x["s"] for x in mine),
+                             "train_s": statistics.median(x["train_s"] for x in mine),
+                             "work_s": statistics.median(x["work_s"] for x in mine),
+                             "rest_s": statistics.median(x["s"] - x["work_s"] for x in mine)}
+                fails += sum(x["status"] != "ok" for x in mine)
+            per_rep = []
+            for rep in range(a.reps):
+                at = {k: statistics.median(x["s"] for x in pts
+                                           if (x["recipe"], x["mode"], x["rep"]) == (recipe, mode, rep))
+                      for k, pts in runs.items()}
+                per_rep.append(at["cold"] / at["warm"])
+            c, w = med["cold"], med["warm"]
+            # what a warm point that cost nothing beyond its work would give: the work bounds the ratio
+            bound = (c["rest_s"] + w["work_s"]) / w["work_s"] if w["work_s"] else float("nan")
+            summary.append({"recipe": recipe, "mode": mode, "cold": c, "warm": w, "ratio": c["s"] / w["s"],
+                            "ratio_per_rep": per_rep, "ratio_median_per_rep": statistics.median(per_rep),
+                            "bound": bound, "not_ok": fails})
+            print(f"{recipe:8} {mode:4} {c['s']:9.2f} {c['work_s']:5.2f} {c['rest_s']:5.2f} {w['s']:9.2f} "
+                  f"{w['work_s']:5.2f} {w['rest_s']:5.2f} {c['s'] / w['s']:5.1f}x {statistics.median(per_rep):6.1f}x"
+                  f"  {bound:4.1f}x" + (f"  ({fails} points not ok)" if fails else ""))
     if a.out:
         Path(a.out).write_text(json.dumps({"steps": a.steps, "reps": a.reps, "summary": summary, "points": runs},
                                           indent=1))
+    # where a point's time went (the rows' phase_times_s, medians; docs/experiments.md)
+    phases = ("setup", "launch", "import", "data", "connect", "build", "steps", "eval", "fingerprint", "loop",
+              "exit", "finish")
+    print(f"\n{'median s':18} {' '.join(f'{n[:7]:>7}' for n in phases)} {'other':>7}")
+    for recipe in exp.spec.grid.recipe:
+        for mode in exp.spec.grid.mode:
+            for kind, pts in runs.items():
+                mine = [x for x in pts if (x["recipe"], x["mode"]) == (recipe, mode) and x["phases"]]
+                if not mine:
+                    continue
+                med = {n: statistics.median(x["phases"].get(n, 0.0) for x in mine) for n in phases}
+                # other: the rest of a point's seconds (from the previous row): results.jsonl, the runner
+                other = statistics.median(x["s"] - sum(x["phases"].get(n, 0.0) for n in phases) for x in mine)
+                print(f"{recipe:8} {mode:4} {kind:4} {' '.join(f'{med[n]:7.2f}' for n in phases)} {other:7.2f}")
 
 
 if __name__ == "__main__":

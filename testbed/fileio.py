@@ -9,8 +9,10 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write bytes or text to `path` via a temp file + rename (readers never see half a file)."""
+def write_atomic(path: str | Path, data: str | bytes, *, fsync: bool = True) -> None:
+    """Write bytes or text to `path` via a temp file + rename (readers never see half a file). `fsync=False`
+    for a file rewritten often whose contents need only outlive its process, not the machine (a process that
+    is killed loses nothing written; only a crash of the machine could)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -18,7 +20,8 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; run dirs and caches are shared with containers
         os.replace(tmp, path)
     except BaseException:
@@ -26,8 +29,10 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         raise
 
 
-def write_json_atomic(path: str | Path, obj, *, indent: int | None = 2, sort_keys: bool = False) -> None:
-    write_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=True, default=str) + "\n")
+def write_json_atomic(path: str | Path, obj, *, indent: int | None = 2, sort_keys: bool = False,
+                      fsync: bool = True) -> None:
+    write_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, allow_nan=True, default=str) + "\n",
+                 fsync=fsync)
 
 
 def append_jsonl(path: str | Path, obj) -> None:

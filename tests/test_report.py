@@ -78,7 +78,8 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
         "batch_size": None, "seq_len": None, "microbatches": None,  # as if the rows predate these fields
         "collectives": ["allreduce" if mode == "ddp" else "p2p"],
         "machine": {"uname": "Linux test 6.1 x86_64", "cpus": 2, "hostname": "test"},
-        "wall_time_s": 40.0, "finished_at": 1.7e9 + 60 * seed, "image_digest": None, "placement": None,
+        "wall_time_s": 40.0, "phase_times_s": None, "finished_at": 1.7e9 + 60 * seed, "image_digest": None,
+        "placement": None,
         "fault_link": None, "locate": None,  # not a fault-localisation experiment
         "run_dir": f"points/{point}",
     } | fields)

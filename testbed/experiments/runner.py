@@ -77,9 +77,10 @@ def train_config(exp: Experiment, point: Point) -> TrainSettings:
     return exp.train_settings(point)
 
 
-def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, baseline_dir: Path | None) -> dict:
+def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, baseline_dir: Path | None,
+              started: float | None = None) -> dict:
     """Everything the report needs about one point, from its summary and metrics (the report never reads
-    run directories, so results.jsonl alone rebuilds it)."""
+    run directories, so results.jsonl alone rebuilds it). `started`: when the point began (its phase times)."""
     from testbed.train.fingerprint import replica_divergence, run_distance
     from testbed.analysis.theory import param_count
 
@@ -129,7 +130,8 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         collectives=(train_config(exp, point).collectives or DEFAULT_COLLECTIVES[point.mode])
         if point.scope == "tensor" else None,
         machine={"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
-        wall_time_s=summary.get("wall_time_s"), finished_at=time.time(), image_digest=summary.get("image_digest"),
+        wall_time_s=summary.get("wall_time_s"), phase_times_s=phase_times(summary, started),
+        finished_at=time.time(), image_digest=summary.get("image_digest"),
         placement=summary.get("machines"),
         fault_link=exp.fault_link(point), locate=locate_fields(run_dir, exp.fault_link(point)),
         run_dir=str(run_dir.relative_to(run_dir.parent.parent)),
@@ -167,6 +169,17 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         elif row["replica_divergence_curve"]:
             row["final_replica_divergence"] = row["replica_divergence_curve"][-1][1]
     return row
+
+
+def phase_times(summary: dict, started: float | None) -> dict | None:
+    """The row's phase_times_s: the launcher's phases_s with the point's set-up before them and its finish
+    after (up to now, when its row is made)."""
+    phases, spawned, wall = summary.get("phases_s"), summary.get("spawned_at"), summary.get("wall_time_s")
+    if phases is None or spawned is None or wall is None or started is None:
+        return None
+    now = time.time()
+    return {"setup": round(spawned - started, 4), **phases, "finish": round(now - spawned - wall, 4),
+            "total": round(now - started, 4)}
 
 
 def locate_fields(run_dir: Path, fault_link: str | None) -> dict | None:
@@ -274,6 +287,7 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
               machines=None, warm=None) -> dict:
     """Train one point; a failure of the set-up (not of the training) becomes an `error` row, so one bad
     point does not end the sweep (`--retry-failed` runs it again)."""
+    started = time.time()
     run_dir = out / "points" / point.id
     if run_dir.exists():
         shutil.rmtree(run_dir)  # an interrupted attempt: start the point afresh
@@ -297,7 +311,7 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
                          status="error", reason=f"{type(e).__name__}: {e}", steps_completed=0,
                          finished_at=time.time(), run_dir=f"points/{point.id}")
     base = out / "points" / point.baseline.id
-    row = point_row(exp, point, summary, run_dir, base if base.exists() else None)
+    row = point_row(exp, point, summary, run_dir, base if base.exists() else None, started)
     row["fingerprint"] = fp
     return {**row, "_line": summary_line(summary)}
 

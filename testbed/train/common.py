@@ -39,5 +39,5 @@ def final_params_path(run_dir, rank):
     return Path(run_dir) / f"final-rank{rank}.pt"
 
 
-def write_json_atomic(path, obj):
-    _write_json_atomic(path, obj, sort_keys=True)
+def write_json_atomic(path, obj, fsync=True):
+    _write_json_atomic(path, obj, sort_keys=True, fsync=fsync)

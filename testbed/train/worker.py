@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -132,8 +133,34 @@ def classify(exc, phase):
     return common.EXIT_ERROR, "error", None
 
 
+def wait_for_listener(addr, port, timeout_s, poll_s=0.005):
+    """Wait until something listens on addr:port (rank 0's TCPStore), at most timeout_s; then return, whatever
+    happened (TCPStore reports a rendezvous that fails). TCPStore's client, when it finds no listener, backs off
+    for 0.1-1 s before it tries again: a rank that came up a few ms before rank 0 (warm services get a point at
+    the same moment) lost 0.3-0.6 s per point there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(poll_s)
+
+
+def process_start_time():
+    """When this process started (unix time), from /proc: a fresh worker's time includes its imports."""
+    try:  # field 22, start time: clock ticks since boot (CLOCK_BOOTTIME)
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 class Worker:
-    def __init__(self, args):
+    def __init__(self, args, started=None):
+        """`started`: when this rank's point began (a fresh worker: its process's start; default now)."""
         self.args = args
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -147,15 +174,21 @@ class Worker:
         self.step = None
         self.phase = "starting"
         self.t_start = time.time()
+        # the point's timeline (unix times of its phases, and seconds spent in the loop's parts), in the status
+        # file: the launcher's phases_s (testbed/train/launch.py) come from every rank's
+        self.times = {"started": started if started is not None else self.t_start,
+                      "steps_s": 0.0, "eval_s": 0.0, "fingerprint_s": 0.0}
 
     # ---- bookkeeping ------------------------------------------------------------------------------------
 
     def write_status(self, state, status=None, exit_code=None, reason=None, **extra):
         self.phase = state
+        self.times[state] = time.time()
         write_json_atomic(common.status_path(self.run_dir, self.rank), {
             "rank": self.rank, "world_size": self.world_size, "state": state, "status": status,
             "exit_code": exit_code, "reason": reason, "step": self.step, "pid": os.getpid(),
-            "host": socket.gethostname(), "time": time.time(), "elapsed_s": time.time() - self.t_start, **extra})
+            "host": socket.gethostname(), "time": time.time(), "elapsed_s": time.time() - self.t_start,
+            "times": self.times, **extra})
 
     def log(self, msg):
         print(f"[rank {self.rank} +{time.time() - self.t_start:.1f}s] {msg}", flush=True)
@@ -171,6 +204,8 @@ class Worker:
             self.mgmt_ifname = "lo"
         if self.data_ifname is None:
             self.log("warning: GLOO_SOCKET_IFNAME unset, gloo picks the interface of the host name")
+        if self.rank != 0:  # (bounded: past it, TCPStore's own retries and timeout apply as before)
+            wait_for_listener(self.master_addr, self.master_port, min(5.0, self.args.timeout))
         store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, is_master=self.rank == 0,
                               timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
@@ -208,6 +243,7 @@ class Worker:
         data = prepare(PRESETS[a.model].vocab_size, a.data, log=self.log)
         self.write_status("connecting")
         self.connect()
+        self.times["connected"] = time.time()
         self.log(f"connected: world {self.world_size}, data if {self.data_ifname}, mgmt if {self.mgmt_ifname}")
         device = inject.resolve_device(a.device)
         model = build_model(a.model, a.seed).to(device)
@@ -241,20 +277,25 @@ class Worker:
                  f"batch {a.batch_size} x {a.seq_len}")
 
         # the fixed validation batches before the first update: what made_progress compares the last eval with
+        t = time.perf_counter()
         initial_eval = trainer.eval_loss() if a.eval_every > 0 else None
+        self.times["eval_s"] += time.perf_counter() - t
         skipped_in_a_row = 0
         for step in range(a.steps):
             self.step = step
             t0 = time.perf_counter()
             m = trainer.train_step(step)
             step_time = time.perf_counter() - t0
+            self.times["steps_s"] += step_time
             if monitor:  # rank 0 writes every rank's record of the step (monitor-ranks.jsonl)
                 monitor.after_step(step, trainer, m)
             if injector is not None:
                 m.update(injector.take_step())
             eval_loss = None
             if a.eval_every > 0 and ((step + 1) % a.eval_every == 0 or step == a.steps - 1):
+                t = time.perf_counter()
                 eval_loss = trainer.eval_loss()
+                self.times["eval_s"] += time.perf_counter() - t
             skipped_in_a_row = skipped_in_a_row + 1 if m["skipped"] else 0
             reason = self.divergence(trainer, m, eval_loss, skipped_in_a_row)
             # frozen: at every eval and at the end of the run (cheap, but not free for 124M)
@@ -270,6 +311,7 @@ class Worker:
                    "eval_loss": eval_loss, "initial_eval_loss": initial_eval if step == 0 else None,
                    "frozen": frozen, "step_time_s": step_time, "corrupted_values": None, **m, **fp,
                    "fingerprint_time_s": time.perf_counter() - t1}
+            self.times["fingerprint_s"] += row["fingerprint_time_s"]
             append_jsonl(common.metrics_path(self.run_dir, self.rank), row)
             self.log(f"step {step + 1}/{a.steps} loss {m['loss']:.4f}"
                      + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
@@ -361,7 +403,7 @@ def main(argv=None):
     faulthandler.enable()  # a gloo SIGABRT then leaves a Python traceback in the log
     args = parse(argv)
     set_threads(args)
-    worker = Worker(args)
+    worker = Worker(args, started=process_start_time())
     worker.shutdown(worker.run_safely())
 
 
