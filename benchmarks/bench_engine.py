@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -146,7 +147,13 @@ def main() -> int:
                     help="skip the informational checksum=keep row (BER 1e-5, MTU-sized frames)")
     ap.add_argument("--engines", default="nfqueue,bpf", help="engines to compare (default nfqueue,bpf)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_engine.json"))
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the engines' seed (default: a fresh one per run, printed: with a fixed seed every run's "
+                         "first epoch at a BER replays the same stretch of the same stream, one sample, not a new one)")
     args = ap.parse_args()
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {args.seed}", flush=True)
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     runs: dict[str, list[dict]] = {"clean": [], **{f"{e} ber={b:g}": [] for e in engines for b in BERS}}
@@ -158,7 +165,8 @@ def main() -> int:
         handles = {}
         for e in engines:
             extra = {"peer_netns": link.path["b"], "peer_iface": link.iface} if e == "bpf" else {}
-            handles[e] = link.start_engine(ber=0.0, seed=1, scope="payload", checksum="fix", engine=e, **extra)
+            handles[e] = link.start_engine(ber=0.0, seed=args.seed, scope="payload", checksum="fix", engine=e,
+                                           **extra)
             detach_engine(handles[e])  # the engine stays; attaching decides whether traffic goes through it
         mem = {e: memory(h) for e, h in handles.items()}
         # the bpf program's own cost per packet (kernel.bpf_stats_enabled: ~20 ns per run; restored after)
@@ -229,7 +237,7 @@ def main() -> int:
         targets[f"{e} ber1e-4_ratio>={b4}"] = ratios[f"{e} ber=0.0001"] >= b4
         targets[f"{e} added_p50_us<={lat:g}"] = latency[e]["added_one_way_p50_us"] <= lat
     result = {
-        "reps": args.reps, "seconds": args.seconds, "engines": engines,
+        "reps": args.reps, "seconds": args.seconds, "engines": engines, "seed": args.seed,
         "throughput_gbit_s_median": {k: med(r["gbit_s"] for r in v) for k, v in runs.items()},
         "ratio_to_clean_median": ratios,
         "retransmits_median": {k: med(r["retransmits"] for r in v) for k, v in runs.items()},

@@ -273,11 +273,14 @@ def _load(obj: Path, pin_dir: Path) -> None:
     import subprocess
 
     pin_dir.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["bpftool", "prog", "load", str(obj), str(pin_dir / "prog"), "type", "classifier",
+    # both programs (tb_flip, and tb_apply, which libbpf puts into tb_progs for tb_flip's tail call), pinned by
+    # name; tb_flip is the one tc attaches, as `prog`
+    r = subprocess.run(["bpftool", "prog", "loadall", str(obj), str(pin_dir), "type", "classifier",
                         "pinmaps", str(pin_dir)], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-12:]
         raise _error(f"bpftool could not load {obj.name} (kernel {os.uname().release}):\n" + "\n".join(tail))
+    os.rename(pin_dir / "tb_flip", pin_dir / "prog")
 
 
 # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -422,7 +425,8 @@ def _stats(spec: EngineSpec, side: dict, pin_dir: Path) -> dict:
         # the bpf engine's own
         "packets_gso": cn["packets_gso"], "keep_gso_passed": cn["keep_gso_passed"],
         "ring_overruns": cn["ring_overruns"], "flips_on_checksum": cn["flips_on_checksum"],
-        "flips_applied": cn["flips_applied"], "ring_shared": cn["ring_shared"], "bits_reserved": st["cursor"],
+        "flips_applied": cn["flips_applied"], "ring_shared": cn["ring_shared"],
+        "bits_gso": cn["bits_gso"], "flips_gso": cn["flips_gso"], "bits_reserved": st["cursor"],
         "bad_sojourns": st["bad_sojourns"],
         "bad_sojourn_bits": st["bad_sojourn_bits"], "epochs_lost": st["epochs_lost"],
         "config_version": version, "config_applied": st["applied"],
