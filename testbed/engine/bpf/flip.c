@@ -58,7 +58,8 @@ enum {
 	C_PACKETS, C_BYTES, C_MODIFIED, C_MULTIFLIP, C_UNPARSED,
 	C_U_SHORT, C_U_NOT_IPV4, C_U_BAD_IHL, C_U_BAD_LENGTH, C_U_FRAGMENT, C_U_NOT_TCP_UDP, C_U_BAD_L4,
 	C_ERRORS, C_RETX_BITS, C_FLOWS, C_FLOWS_EXCLUDED, C_GSO, C_KEEP_GSO_PASSED, C_OVERRUNS,
-	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_GSO_BITS, C_GSO_FLIPS, C_N
+	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_GSO_BITS, C_GSO_FLIPS, C_UNCLONE_FAILED, C_HOLE_BITS,
+	C_HOLES_LOST, C_N
 };
 #define NCOUNTERS 32
 
@@ -162,9 +163,19 @@ struct flow_key {
 	__u32 proto;
 };
 
+/* Sequence ranges above which a later segment came first: a segment reordered on the way to the hook (veth
+ * enqueues to the backlog of the CPU the sender runs on, so a sender that moves between CPUs has its segments
+ * handed on out of order) or lost before it (its retransmission is its first copy here). Bytes in a hole are
+ * new, not retransmitted. */
+#define NHOLES 4
+
 struct flow {
 	__u32 next_seq;
 	__u32 flags;
+	__u32 nholes;
+	__u32 pad;
+	__u32 hole_lo[NHOLES];
+	__u32 hole_hi[NHOLES];
 };
 #define F_SEQ 1
 #define F_EXCLUDED_COUNTED 2
@@ -513,6 +524,83 @@ static __always_inline __u64 fold(__u64 s)
 	return s;
 }
 
+static __always_inline int after(__u32 a, __u32 b)
+{
+	return (__s32)(a - b) > 0;
+}
+
+/* A TCP segment [seq, seq + plen) of a tracked flow: which of its bytes are new (first seen here), as one range
+ * [skip, skip + keep) of the payload; the rest is a retransmission and passes clean. New: beyond the highest
+ * sequence number seen (a gap before it becomes a hole), or inside a hole (the hole shrinks). A segment that
+ * is new in two places (across a hole's edge and beyond, or two holes: re-segmented retransmissions of
+ * reordered data) counts the first; the other new bytes are counted as lost hole bits. */
+static __always_inline void new_range(struct flow *fl, struct counters *cn, __u32 seq, __u32 plen, __u32 *skip,
+				      __u32 *keep)
+{
+	__u32 end = seq + plen, ns = fl->next_seq;
+
+	if (!after(ns, seq)) {  /* all new */
+		if (after(seq, ns)) {  /* a gap: later bytes came first */
+			__u32 k = fl->nholes;
+
+			if (k < NHOLES) {
+				fl->hole_lo[k & (NHOLES - 1)] = ns;
+				fl->hole_hi[k & (NHOLES - 1)] = seq;
+				fl->nholes = k + 1;
+			} else {
+				cn->v[C_HOLES_LOST] += 1;
+			}
+		}
+		fl->next_seq = end;
+		*skip = 0;
+		*keep = plen;
+		return;
+	}
+	if (after(end, ns)) {  /* the tail is new */
+		*skip = ns - seq;
+		*keep = end - ns;
+		fl->next_seq = end;
+		return;
+	}
+	*skip = plen;  /* all below the highest seen: new only where it meets a hole */
+	*keep = 0;
+	for (int i = 0; i < NHOLES; i++) {
+		__u32 lo, hi, a, b, k = fl->nholes;
+
+		if (i >= k)
+			break;
+		lo = fl->hole_lo[i];
+		hi = fl->hole_hi[i];
+		if (!after(end, lo) || !after(hi, seq))
+			continue;
+		a = after(seq, lo) ? seq : lo;
+		b = after(end, hi) ? hi : end;
+		*skip = a - seq;
+		*keep = b - a;
+		cn->v[C_HOLE_BITS] += (__u64)(b - a) << 3;
+		if (a == lo && b == hi) {  /* filled: the last hole takes its slot */
+			__u32 j = (k - 1) & (NHOLES - 1);
+
+			fl->hole_lo[i] = fl->hole_lo[j];
+			fl->hole_hi[i] = fl->hole_hi[j];
+			fl->nholes = k - 1;
+		} else if (a == lo) {
+			fl->hole_lo[i] = b;
+		} else if (b == hi) {
+			fl->hole_hi[i] = a;
+		} else if (k < NHOLES) {  /* the middle of it: two holes */
+			fl->hole_hi[i] = a;
+			fl->hole_lo[k & (NHOLES - 1)] = b;
+			fl->hole_hi[k & (NHOLES - 1)] = hi;
+			fl->nholes = k + 1;
+		} else {
+			fl->hole_hi[i] = a;
+			cn->v[C_HOLES_LOST] += 1;
+		}
+		break;
+	}
+}
+
 SEC("tc")
 int tb_flip(struct __sk_buff *skb)
 {
@@ -522,7 +610,8 @@ int tb_flip(struct __sk_buff *skb)
 	struct counters *cn = bpf_map_lookup_elem(&tb_counters, &zero);
 	struct cfg *c;
 	__u64 ver, now = 0, s, e, nbits, idx0, nf;
-	__u32 l3 = ETH_HLEN, n, ihl, total, l4h, start, csum_off, skip = 0, excluded = 0;
+	__u32 l3 = ETH_HLEN, n, ihl, total, l4h, start, stop, csum_off, skip = 0, excluded = 0;
+	__u32 keep_len = 0xffffffff;  /* eligible payload bytes from `skip` on (all: no sequence tracking) */
 	__u8 h[20], t[20], proto;
 	int fast, sure, udp;
 
@@ -611,39 +700,42 @@ int tb_flip(struct __sk_buff *skb)
 		}
 		if (fl && !udp && c->skip_retx && c->scope == SCOPE_PAYLOAD) {
 			__u32 seq = ((__u32)t[4] << 24) | ((__u32)t[5] << 16) | ((__u32)t[6] << 8) | t[7];
-			__u32 plen = total - ihl - l4h, end = seq + plen;
+			__u32 plen = total - ihl - l4h;
 
+			keep_len = plen;
 			if (t[13] & 0x02) {  /* SYN: a new connection; its data starts after the SYN */
-				fl->next_seq = end + 1;
+				fl->next_seq = seq + plen + 1;
 				fl->flags |= F_SEQ;
+				fl->nholes = 0;
 			} else if (!(fl->flags & F_SEQ)) {  /* first seen mid-stream: counts from here */
-				fl->next_seq = end;
+				fl->next_seq = seq + plen;
 				fl->flags |= F_SEQ;
-			} else {
-				__s32 d = (__s32)(fl->next_seq - seq);
-
-				if (d > 0)
-					skip = (__u32)d < plen ? (__u32)d : plen;
-				if ((__s32)(end - fl->next_seq) > 0)
-					fl->next_seq = end;
+			} else if (plen) {
+				new_range(fl, cn, seq, plen, &skip, &keep_len);
 			}
-			if (skip)
-				cn->v[C_RETX_BITS] += (__u64)skip << 3;
+			if (plen - keep_len)
+				cn->v[C_RETX_BITS] += (__u64)(plen - keep_len) << 3;
 		}
 	}
 
-	if (c->scope == SCOPE_ALL)
+	if (c->scope == SCOPE_ALL) {
 		start = l3;
-	else
+		stop = l3 + total;
+	} else {
 		start = l3 + ihl + l4h + skip;
-	if (start >= l3 + total)
+		stop = l3 + total;
+		if (keep_len < stop - start)
+			stop = start + keep_len;
+	}
+	if (start >= stop)
 		return TC_ACT_OK;
-	if (c->checksum == CSUM_KEEP && skb->gso_size) {
-		/* a GSO (or GRO) packet cannot be made to fail its checksum per segment: keep needs MTU frames */
+	if (c->checksum == CSUM_KEEP && skb->gso_size && !(c->t[T_GOOD_FLIP].never && c->t[T_BAD_FLIP].never)) {
+		/* a GSO (or GRO) packet cannot be made to fail its checksum per segment: keep needs MTU frames (the
+		 * sender's offload is off while a flip is possible; at BER 0 it stays on and super-packets count) */
 		cn->v[C_KEEP_GSO_PASSED] += 1;
 		return TC_ACT_OK;
 	}
-	nbits = (__u64)(l3 + total - start) << 3;
+	nbits = (__u64)(stop - start) << 3;
 
 	/* reserve [s, e) of the stream */
 	if (READ_ONCE(st->applied) != ver)
@@ -682,7 +774,7 @@ int tb_flip(struct __sk_buff *skb)
 		x->l3 = l3;
 		x->l4 = l3 + ihl;
 		x->csum_off = csum_off;
-		x->end = l3 + total;
+		x->end = stop;
 		x->fix_all = c->checksum == CSUM_FIX && c->scope == SCOPE_ALL;
 		x->udp = udp;
 		x->keep = c->checksum == CSUM_KEEP;
@@ -698,6 +790,16 @@ int tb_flip(struct __sk_buff *skb)
 			x->pulled = 1;
 			if (bpf_skb_pull_data(skb, n))
 				x->err = 1;
+		}
+		/* The applier's verifier-made prologue unclones a cloned skb and, where that fails (-ENOMEM), DROPS
+		 * it (TC_ACT_SHOT): a packet lost after its bits were drawn, silently (TCP retransmits it; the copy
+		 * passes clean, so the application sees fewer errors than counted, and the last packet of a transfer
+		 * is never counted). Unclone here instead, where a failure can pass the packet and count it: after a
+		 * successful pull the prologue finds the skb private (or finds the same answer without allocating). */
+		if (bpf_skb_pull_data(skb, 0)) {
+			cn->v[C_UNCLONE_FAILED] += 1;
+			cn->v[C_ERRORS] += 1;
+			return TC_ACT_OK;
 		}
 		bpf_tail_call(skb, &tb_progs, 0);
 		/* not reached unless the applier is missing: its flips are drawn and counted, not applied */
