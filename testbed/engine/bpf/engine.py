@@ -13,7 +13,8 @@ Where the program sits (docs/engine.md, "The bpf engine"):
   the sending host, or ingress of the receiving host when a switch sends). Locally sent packets are
   CHECKSUM_PARTIAL there (the receiver treats them as verified) and GSO super-packets are corrupted whole.
 - checksum ``keep``: on the ingress of the link's receiving end, with transmit checksum offload turned off
-  on the sending end (ethtool -K tx off, restored on stop), so that the kernel segments and completes every
+  on the sending end while the BER is above 0 (ethtool -K tx off, restored on stop, on detach and at BER 0:
+  nothing is flipped then), so that the kernel segments and completes every
   checksum before the program corrupts the frame; the receiver then verifies it and drops exactly the
   corrupted frames (TcpInCsumErrors). A tc program cannot turn a CHECKSUM_PARTIAL skb into one the receiver
   verifies (bpf_csum_level only resets CHECKSUM_UNNECESSARY), hence the move.
