@@ -136,6 +136,31 @@ class VethLink:
         lines = [line.split() for line in out.splitlines() if line.startswith(group + ":")]
         return {k: int(v) for k, v in zip(lines[0][1:], lines[1][1:])}
 
+    # TcpExt counters of a receiver that dropped segments it had been handed (socket backlog or receive queue full,
+    # out-of-order queue pruned): on a loaded machine a descheduled reader makes its socket drop
+    RECEIVER_DROPS = ("TCPBacklogDrop", "TCPRcvQDrop", "TCPOFODrop", "TCPZeroWindowDrop", "RcvPruned", "OfoPruned")
+
+    def tcp_ext(self, side: str) -> dict[str, int]:
+        """/proc/net/netstat (TcpExt, IpExt) counters of namespace ``side``."""
+        lines = self.run(side, ["cat", "/proc/net/netstat"]).stdout.splitlines()
+        return {k: int(v) for a, b in zip(lines[::2], lines[1::2]) for k, v in zip(a.split()[1:], b.split()[1:])}
+
+    def losses(self) -> dict[str, int]:
+        """Segments lost on the link's way a -> b other than by an engine: the receiver's drops (RECEIVER_DROPS in
+        b) and the veth ends' dropped counters (a full backlog of the receiving CPU); only the nonzero ones."""
+        ext = self.tcp_ext("b")
+        out = {k: ext.get(k, 0) for k in self.RECEIVER_DROPS}
+        for side in ("a", "b"):
+            st = json.loads(self.run(side, ["ip", "-s", "-j", "link", "show", self.iface]).stdout)[0]["stats64"]
+            out[f"{side}_rx_dropped"] = st["rx"]["dropped"]
+            out[f"{side}_tx_dropped"] = st["tx"]["dropped"]
+        return {k: v for k, v in out.items() if v}
+
+    def tc_drops(self, side: str) -> int:
+        """Packets a tc program on ``side``'s interface dropped (TC_ACT_SHOT counts as a drop of the clsact qdisc)."""
+        q = json.loads(self.run(side, ["tc", "-s", "-j", "qdisc", "show", "dev", self.iface]).stdout or "[]")
+        return sum(int(x.get("drops", 0)) for x in q if x.get("kind") == "clsact")
+
     # -- engines -----------------------------------------------------------------------------------------------
 
     def engine_spec(self, side: str = "a", hook: str = "egress", **kw) -> EngineSpec:

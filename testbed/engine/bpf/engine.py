@@ -13,7 +13,8 @@ Where the program sits (docs/engine.md, "The bpf engine"):
   the sending host, or ingress of the receiving host when a switch sends). Locally sent packets are
   CHECKSUM_PARTIAL there (the receiver treats them as verified) and GSO super-packets are corrupted whole.
 - checksum ``keep``: on the ingress of the link's receiving end, with transmit checksum offload turned off
-  on the sending end (ethtool -K tx off, restored on stop), so that the kernel segments and completes every
+  on the sending end while the BER is above 0 (ethtool -K tx off, restored on stop, on detach and at BER 0:
+  nothing is flipped then), so that the kernel segments and completes every
   checksum before the program corrupts the frame; the receiver then verifies it and drops exactly the
   corrupted frames (TcpInCsumErrors). A tc program cannot turn a CHECKSUM_PARTIAL skb into one the receiver
   verifies (bpf_csum_level only resets CHECKSUM_UNNECESSARY), hence the move.
@@ -273,11 +274,14 @@ def _load(obj: Path, pin_dir: Path) -> None:
     import subprocess
 
     pin_dir.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["bpftool", "prog", "load", str(obj), str(pin_dir / "prog"), "type", "classifier",
+    # both programs (tb_flip, and tb_apply, which libbpf puts into tb_progs for tb_flip's tail call), pinned by
+    # name; tb_flip is the one tc attaches, as `prog`
+    r = subprocess.run(["bpftool", "prog", "loadall", str(obj), str(pin_dir), "type", "classifier",
                         "pinmaps", str(pin_dir)], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-12:]
         raise _error(f"bpftool could not load {obj.name} (kernel {os.uname().release}):\n" + "\n".join(tail))
+    os.rename(pin_dir / "tb_flip", pin_dir / "prog")
 
 
 # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -306,7 +310,7 @@ def start(spec: EngineSpec) -> dict:
         s = settings_of(spec)
         with _Maps(pin_dir) as m:
             m.write_config(1, _slot(1, s, 0, True))
-        tx = _tx_off(tx_site)
+        tx = _tx_off(tx_site) if _flips_possible(s) else None
         side = {"settings": s, "version": 1, "generation": 0, "attach": att, "tx_off": tx, "set_at": time.time(),
                 "pin_dir": str(pin_dir), "object": str(obj)}
         write_json_atomic(sidecar_path(spec), side, indent=1)
@@ -319,6 +323,12 @@ def start(spec: EngineSpec) -> dict:
             pins.remove_pins(pin_dir)
         raise
     return {"pin_dir": str(pin_dir), "sidecar": str(sidecar_path(spec)), "attach": att, "tx_off": tx}
+
+
+def _flips_possible(settings: dict) -> bool:
+    """keep turns the sending end's transmit checksum offload off only while a frame can be flipped: at BER 0
+    nothing is, and the offload stays on (no software segmentation at the sender, as without an engine)."""
+    return float(settings["ber"]) > 0.0
 
 
 def _side_or_handle(spec: EngineSpec, rec: dict) -> dict:
@@ -422,7 +432,10 @@ def _stats(spec: EngineSpec, side: dict, pin_dir: Path) -> dict:
         # the bpf engine's own
         "packets_gso": cn["packets_gso"], "keep_gso_passed": cn["keep_gso_passed"],
         "ring_overruns": cn["ring_overruns"], "flips_on_checksum": cn["flips_on_checksum"],
-        "flips_applied": cn["flips_applied"], "ring_shared": cn["ring_shared"], "bits_reserved": st["cursor"],
+        "flips_applied": cn["flips_applied"], "ring_shared": cn["ring_shared"],
+        "bits_gso": cn["bits_gso"], "flips_gso": cn["flips_gso"],
+        "packets_unclone_failed": cn["packets_unclone_failed"], "hole_bits": cn["hole_bits"],
+        "holes_lost": cn["holes_lost"], "bits_reserved": st["cursor"],
         "bad_sojourns": st["bad_sojourns"],
         "bad_sojourn_bits": st["bad_sojourn_bits"], "epochs_lost": st["epochs_lost"],
         "config_version": version, "config_applied": st["applied"],
@@ -471,13 +484,17 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
         moved = new["checksum"] != cur["checksum"]
         if moved:
             new_att, new_tx_site = sites(probe, new["checksum"])
+        need_off = new["checksum"] == "keep" and _flips_possible(new)
+        if not moved and new["checksum"] == "keep" and need_off and not side.get("tx_off"):
+            # keep from BER 0 to a BER: frames must arrive segmented, with completed checksums, before any flip
+            side["tx_off"] = _tx_off(sites(probe, "keep")[1])
         with _Maps(pin_dir) as m:
             m.write_config(version, _slot(version, new, generation, new_epoch))
         if moved:
             old_att, old_tx = side.get("attach"), side.get("tx_off")
             tx = None
             try:
-                tx = _tx_off(new_tx_site)
+                tx = _tx_off(new_tx_site) if need_off else None
                 if old_att:
                     detach(old_att)
                 _tx_restore(old_tx)
@@ -486,19 +503,28 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
                 _tx_restore(tx)
                 raise
             side["attach"], side["tx_off"] = new_att, tx
+        elif not need_off and side.get("tx_off"):  # keep back to BER 0: the offload as it was
+            _tx_restore(side["tx_off"])
+            side["tx_off"] = None
         side.update(settings=new, version=version, generation=generation, set_at=time.time())
         write_json_atomic(side_path, side, indent=1)
     return {**new, "collectives": None, "element": "fp32", "protect": None, "protected_ber": 0.0}
 
 
 def detach_engine(spec: EngineSpec, rec: dict) -> None:
+    """Take the program off the link; a detached link is a clean link, so keep's transmit checksum offload change
+    is undone too (a "no engine" measurement after a keep round measured the sender's software segmentation)."""
     side = _side_or_handle(spec, rec)
     if side.get("attach"):
         detach(side["attach"])
+    _tx_restore(side.get("tx_off"))
 
 
 def attach_engine(spec: EngineSpec, rec: dict) -> None:
     side = _side_or_handle(spec, rec)
+    tx = side.get("tx_off")
+    if tx and tx.get("was_on"):
+        _tx_set(tx, False)
     attach(side["attach"], Path(side.get("pin_dir") or rec["pin_dir"]))
 
 

@@ -15,7 +15,10 @@
  *     (absolute stream positions). Whoever needs positions generates them, also for earlier packets still
  *     in flight on another CPU, so generation never waits for anyone;
  *   - each packet then reads its own flips from the ring (outside the lock: helpers may not be called
- *     under it) and applies them with bpf_skb_store_bytes (the whole skb, GSO super-packets included).
+ *     under it) and writes them directly into the packet, linearized once by bpf_skb_pull_data (the whole
+ *     skb, GSO super-packets included). That part is a second program, tb_apply, reached by a tail call only
+ *     for packets the stream may flip: direct packet writes give a program an unclone prologue, which in
+ *     tb_flip would cost every (cloned: TCP) packet.
  *
  * Gap sampling is exact: a Geometric variable G - 1 = sum_k 2^k B_k has independent binary digits B_k with
  * P(B_k = 1) = q^(2^k) / (1 + q^(2^k)), q = 1 - p. Userspace tabulates these probabilities as 64-bit
@@ -55,7 +58,8 @@ enum {
 	C_PACKETS, C_BYTES, C_MODIFIED, C_MULTIFLIP, C_UNPARSED,
 	C_U_SHORT, C_U_NOT_IPV4, C_U_BAD_IHL, C_U_BAD_LENGTH, C_U_FRAGMENT, C_U_NOT_TCP_UDP, C_U_BAD_L4,
 	C_ERRORS, C_RETX_BITS, C_FLOWS, C_FLOWS_EXCLUDED, C_GSO, C_KEEP_GSO_PASSED, C_OVERRUNS,
-	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_N
+	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_GSO_BITS, C_GSO_FLIPS, C_UNCLONE_FAILED, C_HOLE_BITS,
+	C_HOLES_LOST, C_N
 };
 #define NCOUNTERS 32
 
@@ -142,9 +146,12 @@ struct pctx {
 	__u32 l3, l4, csum_off, end;
 	__u32 fix_all;   /* fix + scope all: flips on checksum fields are drawn and counted, not applied */
 	__u32 iphdr;     /* an IP header byte was flipped */
-	__u32 pulled;
+	__u32 pulled;    /* pulls done: the first up to the flip's byte, the second the whole packet */
 	__u32 err;
 	__u32 overrun;
+	__u32 udp;
+	__u32 keep;      /* checksum keep (else fix) */
+	__u32 gso;       /* a GSO super-packet (its bits and flips are counted apart: realized BER per class) */
 };
 
 
@@ -156,9 +163,19 @@ struct flow_key {
 	__u32 proto;
 };
 
+/* Sequence ranges above which a later segment came first: a segment reordered on the way to the hook (veth
+ * enqueues to the backlog of the CPU the sender runs on, so a sender that moves between CPUs has its segments
+ * handed on out of order) or lost before it (its retransmission is its first copy here). Bytes in a hole are
+ * new, not retransmitted. */
+#define NHOLES 4
+
 struct flow {
 	__u32 next_seq;
 	__u32 flags;
+	__u32 nholes;
+	__u32 pad;
+	__u32 hole_lo[NHOLES];
+	__u32 hole_hi[NHOLES];
 };
 #define F_SEQ 1
 #define F_EXCLUDED_COUNTED 2
@@ -204,6 +221,21 @@ struct {
 	__type(key, struct flow_key);
 	__type(value, struct flow);
 } tb_flows SEC(".maps");
+
+/* The flip applier, a second program reached by a tail call only for packets whose bits hold flips. It writes the
+ * flipped bytes directly into the packet; a program that writes packet data directly gets a prologue from the
+ * verifier that unclones every cloned skb it runs on (TCP's are: the original stays in the retransmission
+ * queue), so the writes live there and not in tb_flip, which every packet runs. */
+int tb_apply(struct __sk_buff *skb);
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, 1);
+	__uint(key_size, sizeof(__u32));
+	__array(values, int (void *));
+} tb_progs SEC(".maps") = {
+	.values = { [0] = (void *)&tb_apply },
+};
 
 #define READ_ONCE(x) (*(volatile typeof(x) *)&(x))
 
@@ -356,6 +388,15 @@ static __always_inline void generate(struct state *st, struct cfg *c, struct rin
 	st->rng = rng;
 }
 
+/* byte `off` is not in the skb's linear part (or past the verifier's packet range) */
+static __always_inline int beyond_linear(struct __sk_buff *skb, __u32 off)
+{
+	__u8 *data = (__u8 *)(long)skb->data, *dend = (__u8 *)(long)skb->data_end;
+	__u32 o = off & 0xffff;
+
+	return o != off || o >= 0xffff || data + o + 1 > dend;
+}
+
 static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u64 q)
 {
 	__u32 off = x->base + (__u32)(q >> 3);
@@ -368,35 +409,45 @@ static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u6
 		x->on_csum++;  /* the checksum is made valid anyway (as the NFQUEUE engine overwrites it) */
 		return;
 	}
-	if (!x->pulled) {
-		x->pulled = 1;
-		if (bpf_skb_pull_data(skb, skb->len)) {  /* linear and private once, not per flip */
+	if (beyond_linear(skb, off)) {
+		/* Beyond the linear part: make it linear (and private) up to this byte the first time, all of it the
+		 * second. The pull copies what it makes linear, so a packet with one flip (most at low BERs) copies
+		 * half of itself on average, not all; a packet with many flips pays one small extra copy. */
+		__u32 n = x->pulled ? skb->len : off + 1;
+
+		x->pulled++;
+		if (bpf_skb_pull_data(skb, n))
 			x->err = 1;
-		}
 	}
 	{
-		/* direct packet read (a write would make the verifier unclone every packet in a prologue) */
+		/* direct packet access: the linear part is private after a pull (tb_apply's prologue uncloned the skb,
+		 * if tb_flip had not pulled already) */
 		__u8 *data = (__u8 *)(long)skb->data, *dend = (__u8 *)(long)skb->data_end, *p;
 		__u32 o = off & 0xffff;
 
 		/* the verifier sets a packet range only for offsets + size <= 0xffff: the last bytes of a 64 KB
-		 * packet take the helper */
+		 * packet take the helpers */
 		p = data + o;
 		if (o == off && o < 0xffff && p + 1 <= dend) {
 			b = *p;
-		} else if (bpf_skb_load_bytes(skb, off, &b, 1)) {
-			x->err = 1;
-			return;
+			*p = b ^ mask;
+		} else {
+			if (bpf_skb_load_bytes(skb, off, &b, 1)) {
+				x->err = 1;
+				return;
+			}
+			b ^= mask;
+			if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
+				x->err = 1;
+				return;
+			}
+			b ^= mask;
 		}
 	}
-	/* 16-bit words as the kernel sums them (little-endian loads): an even offset is the low byte */
+	/* 16-bit words as the kernel sums them (little-endian loads): an even offset is the low byte; b is the
+	 * byte before the flip */
 	m = (off & 1) ? ((__u64)mask << 8) : mask;
 	dd = (b & mask) ? (0xffff ^ m) : m;
-	b ^= mask;
-	if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
-		x->err = 1;
-		return;
-	}
 	x->applied++;
 	if (off >= x->l4) {
 		x->d_l4 += dd;
@@ -473,6 +524,83 @@ static __always_inline __u64 fold(__u64 s)
 	return s;
 }
 
+static __always_inline int after(__u32 a, __u32 b)
+{
+	return (__s32)(a - b) > 0;
+}
+
+/* A TCP segment [seq, seq + plen) of a tracked flow: which of its bytes are new (first seen here), as one range
+ * [skip, skip + keep) of the payload; the rest is a retransmission and passes clean. New: beyond the highest
+ * sequence number seen (a gap before it becomes a hole), or inside a hole (the hole shrinks). A segment that
+ * is new in two places (across a hole's edge and beyond, or two holes: re-segmented retransmissions of
+ * reordered data) counts the first; the other new bytes are counted as lost hole bits. */
+static __always_inline void new_range(struct flow *fl, struct counters *cn, __u32 seq, __u32 plen, __u32 *skip,
+				      __u32 *keep)
+{
+	__u32 end = seq + plen, ns = fl->next_seq;
+
+	if (!after(ns, seq)) {  /* all new */
+		if (after(seq, ns)) {  /* a gap: later bytes came first */
+			__u32 k = fl->nholes;
+
+			if (k < NHOLES) {
+				fl->hole_lo[k & (NHOLES - 1)] = ns;
+				fl->hole_hi[k & (NHOLES - 1)] = seq;
+				fl->nholes = k + 1;
+			} else {
+				cn->v[C_HOLES_LOST] += 1;
+			}
+		}
+		fl->next_seq = end;
+		*skip = 0;
+		*keep = plen;
+		return;
+	}
+	if (after(end, ns)) {  /* the tail is new */
+		*skip = ns - seq;
+		*keep = end - ns;
+		fl->next_seq = end;
+		return;
+	}
+	*skip = plen;  /* all below the highest seen: new only where it meets a hole */
+	*keep = 0;
+	for (int i = 0; i < NHOLES; i++) {
+		__u32 lo, hi, a, b, k = fl->nholes;
+
+		if (i >= k)
+			break;
+		lo = fl->hole_lo[i];
+		hi = fl->hole_hi[i];
+		if (!after(end, lo) || !after(hi, seq))
+			continue;
+		a = after(seq, lo) ? seq : lo;
+		b = after(end, hi) ? hi : end;
+		*skip = a - seq;
+		*keep = b - a;
+		cn->v[C_HOLE_BITS] += (__u64)(b - a) << 3;
+		if (a == lo && b == hi) {  /* filled: the last hole takes its slot */
+			__u32 j = (k - 1) & (NHOLES - 1);
+
+			fl->hole_lo[i] = fl->hole_lo[j];
+			fl->hole_hi[i] = fl->hole_hi[j];
+			fl->nholes = k - 1;
+		} else if (a == lo) {
+			fl->hole_lo[i] = b;
+		} else if (b == hi) {
+			fl->hole_hi[i] = a;
+		} else if (k < NHOLES) {  /* the middle of it: two holes */
+			fl->hole_hi[i] = a;
+			fl->hole_lo[k & (NHOLES - 1)] = b;
+			fl->hole_hi[k & (NHOLES - 1)] = hi;
+			fl->nholes = k + 1;
+		} else {
+			fl->hole_hi[i] = a;
+			cn->v[C_HOLES_LOST] += 1;
+		}
+		break;
+	}
+}
+
 SEC("tc")
 int tb_flip(struct __sk_buff *skb)
 {
@@ -481,10 +609,11 @@ int tb_flip(struct __sk_buff *skb)
 	struct state *st = bpf_map_lookup_elem(&tb_state, &zero);
 	struct counters *cn = bpf_map_lookup_elem(&tb_counters, &zero);
 	struct cfg *c;
-	__u64 ver, now = 0, s, e, nbits, idx0;
-	__u32 l3 = ETH_HLEN, n, ihl, total, l4h, start, csum_off, skip = 0, excluded = 0;
+	__u64 ver, now = 0, s, e, nbits, idx0, nf;
+	__u32 l3 = ETH_HLEN, n, ihl, total, l4h, start, stop, csum_off, skip = 0, excluded = 0;
+	__u32 keep_len = 0xffffffff;  /* eligible payload bytes from `skip` on (all: no sequence tracking) */
 	__u8 h[20], t[20], proto;
-	int fast, udp;
+	int fast, sure, udp;
 
 	if (!cf || !st || !cn)
 		return TC_ACT_OK;
@@ -571,39 +700,42 @@ int tb_flip(struct __sk_buff *skb)
 		}
 		if (fl && !udp && c->skip_retx && c->scope == SCOPE_PAYLOAD) {
 			__u32 seq = ((__u32)t[4] << 24) | ((__u32)t[5] << 16) | ((__u32)t[6] << 8) | t[7];
-			__u32 plen = total - ihl - l4h, end = seq + plen;
+			__u32 plen = total - ihl - l4h;
 
+			keep_len = plen;
 			if (t[13] & 0x02) {  /* SYN: a new connection; its data starts after the SYN */
-				fl->next_seq = end + 1;
+				fl->next_seq = seq + plen + 1;
 				fl->flags |= F_SEQ;
+				fl->nholes = 0;
 			} else if (!(fl->flags & F_SEQ)) {  /* first seen mid-stream: counts from here */
-				fl->next_seq = end;
+				fl->next_seq = seq + plen;
 				fl->flags |= F_SEQ;
-			} else {
-				__s32 d = (__s32)(fl->next_seq - seq);
-
-				if (d > 0)
-					skip = (__u32)d < plen ? (__u32)d : plen;
-				if ((__s32)(end - fl->next_seq) > 0)
-					fl->next_seq = end;
+			} else if (plen) {
+				new_range(fl, cn, seq, plen, &skip, &keep_len);
 			}
-			if (skip)
-				cn->v[C_RETX_BITS] += (__u64)skip << 3;
+			if (plen - keep_len)
+				cn->v[C_RETX_BITS] += (__u64)(plen - keep_len) << 3;
 		}
 	}
 
-	if (c->scope == SCOPE_ALL)
+	if (c->scope == SCOPE_ALL) {
 		start = l3;
-	else
+		stop = l3 + total;
+	} else {
 		start = l3 + ihl + l4h + skip;
-	if (start >= l3 + total)
+		stop = l3 + total;
+		if (keep_len < stop - start)
+			stop = start + keep_len;
+	}
+	if (start >= stop)
 		return TC_ACT_OK;
-	if (c->checksum == CSUM_KEEP && skb->gso_size) {
-		/* a GSO (or GRO) packet cannot be made to fail its checksum per segment: keep needs MTU frames */
+	if (c->checksum == CSUM_KEEP && skb->gso_size && !(c->t[T_GOOD_FLIP].never && c->t[T_BAD_FLIP].never)) {
+		/* a GSO (or GRO) packet cannot be made to fail its checksum per segment: keep needs MTU frames (the
+		 * sender's offload is off while a flip is possible; at BER 0 it stays on and super-packets count) */
 		cn->v[C_KEEP_GSO_PASSED] += 1;
 		return TC_ACT_OK;
 	}
-	nbits = (__u64)(l3 + total - start) << 3;
+	nbits = (__u64)(stop - start) << 3;
 
 	/* reserve [s, e) of the stream */
 	if (READ_ONCE(st->applied) != ver)
@@ -618,13 +750,17 @@ int tb_flip(struct __sk_buff *skb)
 	fast = st->gen_pos == s && st->next_flip >= e && st->soj_end >= e;
 	if (fast)
 		st->gen_pos = e;
+	/* a flip certainly falls in this packet (the stream is drawn up to it and the next flip is inside) */
+	nf = st->next_flip;
+	sure = st->gen_pos == s && nf < e && nf < st->soj_end;
 	bpf_spin_unlock(&st->lock);
+	if (skb->gso_size)
+		cn->v[C_GSO_BITS] += nbits;
 	if (fast)
 		return TC_ACT_OK;  /* no flip in this packet: the common case */
 
 	{
 		struct pctx *x = bpf_map_lookup_elem(&tb_scratch, &zero);
-		struct lctx lc = {.skb = skb};
 
 		if (!x) {
 			cn->v[C_ERRORS] += 1;
@@ -638,55 +774,102 @@ int tb_flip(struct __sk_buff *skb)
 		x->l3 = l3;
 		x->l4 = l3 + ihl;
 		x->csum_off = csum_off;
-		x->end = l3 + total;
+		x->end = stop;
 		x->fix_all = c->checksum == CSUM_FIX && c->scope == SCOPE_ALL;
-		if (bpf_loop(MAX_STEPS, step, &lc, 0) >= MAX_STEPS)
-			x->err = 1;  /* not finished: flips counted but not applied (needs > 4 Mi events in a packet) */
-		if (x->err)
+		x->udp = udp;
+		x->keep = c->checksum == CSUM_KEEP;
+		x->gso = skb->gso_size != 0;
+		/* Private (and linear up to the first flip) before the applier runs, so that its unclone prologue
+		 * has nothing to do. Only where a flip is sure: another packet's flips in flight make it unsure, and
+		 * the applier pulls at its first flip then. */
+		if (sure) {
+			__u32 n = start + (__u32)((nf - s) >> 3) + 1;
+
+			if (n > skb->len)
+				n = skb->len;
+			x->pulled = 1;
+			if (bpf_skb_pull_data(skb, n))
+				x->err = 1;
+		}
+		/* The applier's verifier-made prologue unclones a cloned skb and, where that fails (-ENOMEM), DROPS
+		 * it (TC_ACT_SHOT): a packet lost after its bits were drawn, silently (TCP retransmits it; the copy
+		 * passes clean, so the application sees fewer errors than counted, and the last packet of a transfer
+		 * is never counted). Unclone here instead, where a failure can pass the packet and count it: after a
+		 * successful pull the prologue finds the skb private (or finds the same answer without allocating). */
+		if (bpf_skb_pull_data(skb, 0)) {
+			cn->v[C_UNCLONE_FAILED] += 1;
 			cn->v[C_ERRORS] += 1;
-		if (x->overrun)
-			cn->v[C_OVERRUNS] += 1;
-		cn->v[C_SHARED] += x->shared;
-		if (!x->flips)
 			return TC_ACT_OK;
-		cn->v[C_MODIFIED] += 1;
-		if (x->flips > 1)
-			cn->v[C_MULTIFLIP] += 1;
-		cn->v[C_FLIPS_APPLIED] += x->applied;
-		cn->v[C_FLIPS_ON_CSUM] += x->on_csum;
-		if (c->checksum == CSUM_FIX) {
-			__u64 f = udp ? BPF_F_MARK_MANGLED_0 : 0, d;
+		}
+		bpf_tail_call(skb, &tb_progs, 0);
+		/* not reached unless the applier is missing: its flips are drawn and counted, not applied */
+		cn->v[C_ERRORS] += 1;
+	}
+	return TC_ACT_OK;
+}
 
-			/* A CHECKSUM_PARTIAL skb (locally sent, offloaded) holds the pseudo-header sum: the helper
-			 * leaves it alone for payload changes (the checksum is completed over the corrupted bytes,
-			 * or never checked); a complete checksum is updated. */
-			d = fold(x->d_l4);
-			if (d && d != 0xffff)
-				bpf_l4_csum_replace(skb, csum_off, 0, (__u32)d, f);
-			d = fold(x->d_ps);
-			if (d && d != 0xffff)
-				bpf_l4_csum_replace(skb, csum_off, 0, (__u32)d, f | BPF_F_PSEUDO_HDR);
-			if (x->iphdr) {  /* recompute the IPv4 header checksum as the (corrupted) header describes it */
-				__u8 ip[60] = {};
-				__u8 b0;
-				__u32 hl;
-				__u16 sum;
+/* The rest of a packet that the stream may flip: the bpf_loop of steps, then checksums and counters. */
+SEC("tc")
+int tb_apply(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct counters *cn = bpf_map_lookup_elem(&tb_counters, &zero);
+	struct pctx *x = bpf_map_lookup_elem(&tb_scratch, &zero);
+	struct lctx lc = {.skb = skb};
+	__u32 l3, csum_off;
 
-				if (!bpf_skb_load_bytes(skb, l3, &b0, 1)) {
-					hl = (b0 & 0x0f) << 2;
-					if (hl >= 20 && hl <= 60 && l3 + hl <= skb->len &&
-					    !bpf_skb_load_bytes(skb, l3, ip, hl)) {
-						ip[10] = 0;
-						ip[11] = 0;
-						sum = ~(__u16)fold((__u32)bpf_csum_diff(0, 0, (void *)ip, hl, 0));
-						bpf_skb_store_bytes(skb, l3 + 10, &sum, 2, 0);
-					}
+	if (!cn || !x)
+		return TC_ACT_OK;
+	if (bpf_loop(MAX_STEPS, step, &lc, 0) >= MAX_STEPS)
+		x->err = 1;  /* not finished: flips counted but not applied (needs > 4 Mi events in a packet) */
+	if (x->err)
+		cn->v[C_ERRORS] += 1;
+	if (x->overrun)
+		cn->v[C_OVERRUNS] += 1;
+	cn->v[C_SHARED] += x->shared;
+	if (!x->flips)
+		return TC_ACT_OK;
+	cn->v[C_MODIFIED] += 1;
+	if (x->gso)
+		cn->v[C_GSO_FLIPS] += x->flips;
+	if (x->flips > 1)
+		cn->v[C_MULTIFLIP] += 1;
+	cn->v[C_FLIPS_APPLIED] += x->applied;
+	cn->v[C_FLIPS_ON_CSUM] += x->on_csum;
+	l3 = x->l3;
+	csum_off = x->csum_off;
+	if (!x->keep) {
+		__u64 f = x->udp ? BPF_F_MARK_MANGLED_0 : 0, d;
+
+		/* A CHECKSUM_PARTIAL skb (locally sent, offloaded) holds the pseudo-header sum: the helper
+		 * leaves it alone for payload changes (the checksum is completed over the corrupted bytes,
+		 * or never checked); a complete checksum is updated. */
+		d = fold(x->d_l4);
+		if (d && d != 0xffff)
+			bpf_l4_csum_replace(skb, csum_off, 0, (__u32)d, f);
+		d = fold(x->d_ps);
+		if (d && d != 0xffff)
+			bpf_l4_csum_replace(skb, csum_off, 0, (__u32)d, f | BPF_F_PSEUDO_HDR);
+		if (x->iphdr) {  /* recompute the IPv4 header checksum as the (corrupted) header describes it */
+			__u8 ip[60] = {};
+			__u8 b0;
+			__u32 hl;
+			__u16 sum;
+
+			if (!bpf_skb_load_bytes(skb, l3, &b0, 1)) {
+				hl = (b0 & 0x0f) << 2;
+				if (hl >= 20 && hl <= 60 && l3 + hl <= skb->len &&
+				    !bpf_skb_load_bytes(skb, l3, ip, hl)) {
+					ip[10] = 0;
+					ip[11] = 0;
+					sum = ~(__u16)fold((__u32)bpf_csum_diff(0, 0, (void *)ip, hl, 0));
+					bpf_skb_store_bytes(skb, l3 + 10, &sum, 2, 0);
 				}
 			}
-		} else {
-			/* keep: the sender's checksum stays; make the stack verify it (CHECKSUM_UNNECESSARY -> NONE) */
-			bpf_csum_level(skb, BPF_CSUM_LEVEL_RESET);
 		}
+	} else {
+		/* keep: the sender's checksum stays; make the stack verify it (CHECKSUM_UNNECESSARY -> NONE) */
+		bpf_csum_level(skb, BPF_CSUM_LEVEL_RESET);
 	}
 	return TC_ACT_OK;
 }

@@ -34,7 +34,8 @@ T_GOOD_FLIP, T_BAD_FLIP, T_GOOD_LEN, T_BAD_LEN = range(4)
 COUNTERS = ("packets", "bytes", "packets_modified", "packets_multiflip", "packets_unparsed",
             "u_short", "u_not_ipv4", "u_bad_ihl", "u_bad_length", "u_fragment", "u_not_tcp_udp", "u_bad_l4_header",
             "packets_errors", "retransmitted_bits", "flows", "flows_excluded", "packets_gso", "keep_gso_passed",
-            "ring_overruns", "flips_on_checksum", "flips_applied", "ring_shared")
+            "ring_overruns", "flips_on_checksum", "flips_applied", "ring_shared", "bits_gso", "flips_gso",
+            "packets_unclone_failed", "hole_bits", "holes_lost")
 UNPARSED = {"u_short": "short", "u_not_ipv4": "not_ipv4", "u_bad_ihl": "bad_ihl", "u_bad_length": "bad_length",
             "u_fragment": "fragment", "u_not_tcp_udp": "not_tcp_udp", "u_bad_l4_header": "bad_l4_header"}
 NCOUNTERS = 32
