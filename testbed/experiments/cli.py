@@ -63,8 +63,32 @@ def cmd_run(args) -> int:
         from testbed.machines.inventory import load_inventory
 
         machines = load_inventory(args.machines)
-    rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed, machines=machines,
-                          cold=args.cold)
+    if args.detach and args.executor != "slurm":
+        print("testbed run: --detach needs --executor slurm (local jobs end with their controller)", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print(f"testbed run: -j {args.jobs}: give 1 or more points at once", file=sys.stderr)
+        return 2
+    try:
+        resources = resources_of(exp, args)
+    except ValueError as e:
+        print(f"testbed run: {e}", file=sys.stderr)
+        return 2
+    if args.executor == "slurm" or args.jobs > 1:
+        from testbed.experiments.executors import run_experiment_jobs
+
+        if machines is not None:
+            print("testbed run: --machines spreads one topology over machines; it does not combine with "
+                  "--executor slurm or -j", file=sys.stderr)
+            return 2
+        rows = run_experiment_jobs(exp, args.out, executor=args.executor, jobs=args.jobs, runtime=args.runtime,
+                                   retry_failed=args.retry_failed, resources=resources, detach=args.detach)
+    else:
+        rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed,
+                              machines=machines, cold=args.cold)
+    pending = len(exp.points()) - len(rows)
+    if pending:
+        print(f"{pending} points still queued or running: run the same command again to collect them")
     from testbed.report.report import write_report
 
     report = write_report(args.out)
@@ -72,6 +96,23 @@ def cmd_run(args) -> int:
     print(f"{len(rows)} points ({ok} ok) in {os.path.abspath(args.out)}/results.jsonl")
     print(f"report: {report}")
     return 0
+
+
+RESOURCE_FLAGS = ("cpus", "gpus", "mem", "time", "partition", "account")
+
+
+def resources_of(exp, args):
+    """The experiment's `resources:` with the flags over it (ValueError naming a bad --sbatch)."""
+    from testbed.experiments.spec import ResourcesSpec
+
+    update = {("memory" if k == "mem" else k): getattr(args, k) for k in RESOURCE_FLAGS if getattr(args, k) is not None}
+    extra = dict(exp.spec.resources.sbatch)
+    for opt in args.sbatch or []:
+        key, eq, value = opt.partition("=")
+        if not key.strip().lstrip("-"):
+            raise ValueError(f"--sbatch {opt!r}: give NAME=VALUE (or NAME for a flag), e.g. --sbatch qos=high")
+        extra[key.strip().lstrip("-")] = value if eq else True
+    return ResourcesSpec(**{**exp.spec.resources.model_dump(), **update, "sbatch": extra})
 
 
 def cmd_report(args) -> int:
@@ -103,6 +144,23 @@ def register(sub) -> None:
                    "--machines is always cold)")
     s.add_argument("--machines", metavar="FILE", help="inventory of machines: every point's topology is placed "
                    "across them (docs/machines.md); each row records where every host ran")
+    g = s.add_argument_group("executors (docs/cluster.md)")
+    g.add_argument("--executor", choices=["local", "slurm"], default="local",
+                   help="local: on this machine (default); slurm: a Slurm job per point through submitit, from a "
+                        "login node, the venv and DIR on a shared file system")
+    g.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                   help="local: up to N points at once, each a process with its own topology, the CPUs split "
+                        "between them (default 1: one after another, warm)")
+    g.add_argument("--detach", action="store_true", help="slurm: submit and return (Ctrl-C leaves the jobs "
+                   "running too); the same command later collects them")
+    g.add_argument("--cpus", type=int, help="slurm: CPUs per point (overrides resources.cpus)")
+    g.add_argument("--gpus", type=int, help="slurm: GPUs per point (resources.gpus; device: cuda asks 1 by default)")
+    g.add_argument("--mem", help="slurm: memory per point, e.g. 16G (resources.memory)")
+    g.add_argument("--time", type=int, metavar="MIN", help="slurm: time limit per point in minutes (resources.time)")
+    g.add_argument("--partition", help="slurm: partition (resources.partition)")
+    g.add_argument("--account", help="slurm: account (resources.account)")
+    g.add_argument("--sbatch", action="append", metavar="NAME=VALUE", help="slurm: another sbatch option (repeat; "
+                   "added to resources.sbatch), e.g. --sbatch qos=high")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("report", help="rebuild plots and report from results",

@@ -61,6 +61,12 @@ class ResultsStore:
         self.rows[row["point"]] = row
         self._save()
 
+    def order(self, ids: list[str]) -> None:
+        """Put the rows in the order of `ids` (others after them) and save."""
+        rank = {p: i for i, p in enumerate(ids)}
+        self.rows = dict(sorted(self.rows.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+        self._save()
+
     def _save(self) -> None:
         write_atomic(self.path, "".join(json.dumps(r, allow_nan=False, default=str) + "\n"
                                         for r in self.rows.values()))
@@ -201,16 +207,9 @@ def cfg_field(summary: dict, key: str):
     return v
 
 
-def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
-                   log=None, machines=None, cold: bool = False) -> list[dict]:
-    """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given.
-    Warm (the default on this machine): points that share a topology, runtime and mode run on one topology
-    and worker services that stay up (testbed/experiments/warm.py); `cold`: a fresh topology and fresh
-    workers per point."""
-    from testbed.experiments.warm import WarmSweep
-
-    from tqdm import tqdm
-
+def open_run(exp: Experiment, out: str | Path, runtime: str | None):
+    """The run directory made ready (points/, the experiment's portable copy) and its results: (out, runtime,
+    fingerprint per recipe, the ResultsStore, the points)."""
     out = Path(out).resolve()
     (out / "points").mkdir(parents=True, exist_ok=True)
     runtime = runtime or exp.spec.runtime
@@ -218,8 +217,20 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     if not (copy.exists() and os.path.samefile(exp.file, copy)):
         write_atomic(copy, exp.portable_copy())
     fps = {r: exp.fingerprint(runtime, r) for r in exp.spec.grid.recipe}
-    store = ResultsStore(out, set(fps.values()))
-    points = exp.points()
+    return out, runtime, fps, ResultsStore(out, set(fps.values())), exp.points()
+
+
+def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
+                   log=None, machines=None, cold: bool = False) -> list[dict]:
+    """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given.
+    Warm (the default on this machine): points that share a topology, runtime and mode run on one topology
+    and worker services that stay up (testbed/experiments/warm.py); `cold`: a fresh topology and fresh
+    workers per point. Several points at once, or on Slurm: testbed/experiments/executors.py."""
+    from testbed.experiments.warm import WarmSweep
+
+    from tqdm import tqdm
+
+    out, runtime, fps, store, points = open_run(exp, out, runtime)
     done = {p: store.done(p, fps[p.recipe]) for p in points}
     todo = [p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")]
     bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
