@@ -210,3 +210,16 @@ def test_process_points_run_unprivileged_and_wire_points_are_refused(cluster, tm
                            capture_output=True, text=True).stdout.split()
     outside = [f for f in found if not (f.startswith(str(out)) or f.startswith(str(unprivileged / "cache")))]
     assert not outside, outside
+
+
+def test_time_limit_becomes_a_row_with_the_reason(cluster, tmp_path):
+    """A point that outlasts its time limit (resources.time, here --time 1) is killed by Slurm; its row says so."""
+    exp = experiment(tmp_path, "limit", "process", steps=100000, bers="0")
+    out = tmp_path / "out"
+    r = run(cluster, str(exp), "--out", str(out), "--executor", "slurm", "--time", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = rows_of(out)["ddp-ber0-tensor-fix-process-s1"]
+    assert row["status"] == "error"
+    assert " ended TIMEOUT on tbn" in row["reason"] and "Slurm killed it at its time limit" in row["reason"], \
+        row["reason"]
+    no_leftovers(cluster)

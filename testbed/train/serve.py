@@ -68,6 +68,7 @@ def fresh_state(args):
     np.random.seed(args.seed % 2**32)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(False)
+    worker.keep_torch_caches()
     worker.set_threads(args)
     torch._dynamo.reset()
 
