@@ -200,6 +200,9 @@ class SlurmExecutor:
             st = known.get(j.id)
             if st is None:
                 st = self._sacct(j.id)
+            if st is None and row_path(self.out, j.point).exists():
+                j.state = "ended"  # forgotten by Slurm, but it left its row
+                continue
             if st is None:
                 # never in squeue yet (just submitted) for a few seconds; else forgotten without accounting
                 first = self.seen.setdefault(j.id, time.time())
@@ -325,7 +328,7 @@ def run_jobs(exp: Experiment, out: Path, executor, points: list[Point], store, f
         for j in old:
             if row_path(out, j.point).exists():
                 _merge(out, j, store, say, bar)
-            elif j.state in ("queued", "running"):
+            elif j.state in ("queued", "running", "ended"):  # ended: its row may not be visible yet
                 jobs[j.point] = j
             elif j.state == "failed":
                 _fail(exp, j, store, say, bar, by_id, fps, runtime)

@@ -362,6 +362,9 @@ def keep_torch_caches() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
 
 
+keep_torch_caches()  # before anything imports torch._dynamo (DDP does; testbed.train.serve at its import)
+
+
 def set_threads(args):
     torch.set_num_threads(max(1, args.threads or int(os.environ.get("TESTBED_TORCH_THREADS", "1"))))
 
