@@ -132,7 +132,8 @@ def register(sub) -> None:
     register_bench(sub)
     s = sub.add_parser("run", help="run an experiment (a grid of training points) and write its report",
                        description="Run every point of EXPERIMENT's grid (BER x mode x scope x checksum x seed), one "
-                                   "after another, each on a fresh topology; then summary.csv, plots and report.md. "
+                                   "after another (or -j N at once, or as Slurm jobs: docs/cluster.md); then summary.csv, plots and "
+                                   "report.md. "
                                    "Results are saved after every point: interrupt with Ctrl-C and run the same "
                                    "command again to finish only the missing points. See experiments/quick.yaml.")
     s.add_argument("experiment", metavar="EXPERIMENT.yaml")
