@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -155,18 +156,17 @@ def test_cancelled_job_is_reported_and_retried(cluster, tmp_path):
 
 
 @pytest.fixture
-def unprivileged(tmp_path):
+def unprivileged():
     """A run directory and a cache that `nobody` owns (the cache a copy of this user's: the corpus and tokenizer
     are prepared offline), and, where the venv's interpreter lies under a directory nobody may not enter (here:
     pyenv under /root), a traverse-only ACL entry for nobody on it, removed afterwards."""
-    work = tmp_path / "nobody"
+    # not under tmp_path: pytest makes its base directory 0700 again whenever a pytest session starts
+    work = Path(tempfile.mkdtemp(prefix="tbslurm-nobody-"))
+    work.chmod(0o755)
     shutil.copytree(Path(os.environ.get("TESTBED_CACHE", "~/.cache/testbed")).expanduser(), work / "cache",
                     ignore=shutil.ignore_patterns("locks", "vm", "downloads"))
     (work / "out").mkdir()
     subprocess.run(["chown", "-R", "nobody:nogroup", str(work)], check=True)
-    for d in [tmp_path, *tmp_path.parents]:
-        if d.stat().st_mode & 0o001 == 0:
-            d.chmod(d.stat().st_mode | 0o001)  # pytest's temp directories are 0700
     blocked = [p for p in Path(os.path.realpath(sys.executable)).parents if p.stat().st_mode & 0o001 == 0]
     added = []
     try:
@@ -180,6 +180,7 @@ def unprivileged(tmp_path):
     finally:
         for p in added:
             subprocess.run(["setfacl", "-b", str(p)], check=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_process_points_run_unprivileged_and_wire_points_are_refused(cluster, tmp_path, unprivileged):
