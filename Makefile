@@ -14,8 +14,12 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod openssh-server vagrant \
 	clang libbpf-dev bpftool
 PYTEST_ARGS ?=
+# The Slurm tests (tests/test_slurm.py: a two-node cluster made of Debian's slurm-wlm and munge on this host;
+# acl: a traverse-only ACL lets `nobody` reach the venv's interpreter where it lies under /root). No service of
+# theirs is started (policy-rc.d); Slurm is only needed for `testbed run --executor slurm` and its tests.
+SLURM_PACKAGES := slurm-wlm munge acl
 
-.PHONY: deps system-deps python-deps vm-deps docker-engine image demo test test-all test-vm bench clean-testbed help
+.PHONY: deps system-deps python-deps slurm-deps vm-deps docker-engine image demo test test-all test-vm bench clean-testbed help
 
 help:
 	@echo "make demo   install what is missing, then run the main job"
@@ -47,6 +51,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q $(PIP_EXTRA) -c constraints.txt -e '.[test]'
 	@touch $@
 
+slurm-deps:
+	@missing=""; for p in $(SLURM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  noservice=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+	    chmod +x /usr/sbin/policy-rc.d; noservice=1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  rc=$$?; [ -z "$$noservice" ] || rm -f /usr/sbin/policy-rc.d; [ $$rc -eq 0 ] || exit $$rc; \
+	fi
+
 # A Docker engine for the docker runtime (and its tests): Debian's docker.io and a dockerd that never touches
 # the host's network (containers/ensure-docker.sh). Without one, the docker tests are skipped with a reason.
 docker-engine:
@@ -63,12 +77,12 @@ demo: deps
 	$(VENV)/bin/testbed run experiments/quick.yaml --out $(DEMO_OUT)
 	@echo; echo "report: $(abspath $(DEMO_OUT))/report.md (plots and summary.csv beside it)"
 
-test: deps docker-engine
+test: deps docker-engine slurm-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 # Everything: the tests marked slow too (GPT-2 124M ~1 min, DDP on ring4 for 5 seeds, the deviation-vs-BER
 # runs; ~6 min more).
-test-all: deps docker-engine
+test-all: deps docker-engine slurm-deps
 	$(PY) -m pytest -q -m "not vm" $(PYTEST_ARGS) tests
 
 # Two qemu VMs from a Debian image built here (testbed/machines/vm.py; the first run builds it, ~2-3 min) carrying a

@@ -64,12 +64,34 @@ def cmd_run(args) -> int:
 
         machines = load_inventory(args.machines)
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
+    if args.detach and args.executor != "slurm":
+        print("testbed run: --detach needs --executor slurm (local jobs end with their controller)", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print(f"testbed run: -j {args.jobs}: give 1 or more points at once", file=sys.stderr)
+        return 2
     try:
-        rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed,
-                              machines=machines, cold=args.cold, recipes=recipes)
+        resources = resources_of(exp, args)
+        if args.executor == "slurm" or args.jobs > 1:
+            from testbed.experiments.executors import run_experiment_jobs
+
+            if machines is not None:
+                print("testbed run: --machines spreads one topology over machines; it does not combine with "
+                      "--executor slurm or -j", file=sys.stderr)
+                return 2
+            rows = run_experiment_jobs(exp, args.out, executor=args.executor, jobs=args.jobs, runtime=args.runtime,
+                                       retry_failed=args.retry_failed, resources=resources, detach=args.detach,
+                                       recipes=recipes)
+        else:
+            rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed,
+                                  machines=machines, cold=args.cold, recipes=recipes)
     except ValueError as e:
         print(f"testbed run: {e}", file=sys.stderr)
         return 2
+    # a part (--recipes) leaves the other recipes' points pending on purpose; only queued jobs are announced
+    pending = 0 if recipes or (args.executor == "local" and args.jobs == 1) else len(exp.points()) - len(rows)
+    if pending:
+        print(f"{pending} points still queued or running: run the same command again to collect them")
     from testbed.report.report import write_report
 
     report = write_report(args.out)
@@ -77,6 +99,23 @@ def cmd_run(args) -> int:
     print(f"{len(rows)} points ({ok} ok) in {os.path.abspath(args.out)}/results.jsonl")
     print(f"report: {report}")
     return 0
+
+
+RESOURCE_FLAGS = ("cpus", "gpus", "mem", "time", "partition", "account")
+
+
+def resources_of(exp, args):
+    """The experiment's `resources:` with the flags over it (ValueError naming a bad --sbatch)."""
+    from testbed.experiments.spec import ResourcesSpec
+
+    update = {("memory" if k == "mem" else k): getattr(args, k) for k in RESOURCE_FLAGS if getattr(args, k) is not None}
+    extra = dict(exp.spec.resources.sbatch)
+    for opt in args.sbatch or []:
+        key, eq, value = opt.partition("=")
+        if not key.strip().lstrip("-"):
+            raise ValueError(f"--sbatch {opt!r}: give NAME=VALUE (or NAME for a flag), e.g. --sbatch qos=high")
+        extra[key.strip().lstrip("-")] = value if eq else True
+    return ResourcesSpec(**{**exp.spec.resources.model_dump(), **update, "sbatch": extra})
 
 
 def cmd_report(args) -> int:
@@ -96,7 +135,8 @@ def register(sub) -> None:
     register_bench(sub)
     s = sub.add_parser("run", help="run an experiment (a grid of training points) and write its report",
                        description="Run every point of EXPERIMENT's grid (BER x mode x scope x checksum x seed), one "
-                                   "after another, each on a fresh topology; then summary.csv, plots and report.md. "
+                                   "after another (or -j N at once, or as Slurm jobs: docs/cluster.md); then summary.csv, plots and "
+                                   "report.md. "
                                    "Results are saved after every point: interrupt with Ctrl-C and run the same "
                                    "command again to finish only the missing points. See experiments/quick.yaml.")
     s.add_argument("experiment", metavar="EXPERIMENT.yaml")
@@ -111,6 +151,23 @@ def register(sub) -> None:
     s.add_argument("--recipes", metavar="PATTERNS", help="only the points of these recipes (comma-separated shell "
                    "patterns, e.g. 'tiny*,small*') and their clean points: a long experiment in parts; the report "
                    "covers every point in --out")
+    g = s.add_argument_group("executors (docs/cluster.md)")
+    g.add_argument("--executor", choices=["local", "slurm"], default="local",
+                   help="local: on this machine (default); slurm: a Slurm job per point through submitit, from a "
+                        "login node, the venv and DIR on a shared file system")
+    g.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                   help="local: up to N points at once, each a process with its own topology, the CPUs split "
+                        "between them (default 1: one after another, warm)")
+    g.add_argument("--detach", action="store_true", help="slurm: submit and return (Ctrl-C leaves the jobs "
+                   "running too); the same command later collects them")
+    g.add_argument("--cpus", type=int, help="slurm: CPUs per point (overrides resources.cpus)")
+    g.add_argument("--gpus", type=int, help="slurm: GPUs per point (resources.gpus; device: cuda asks 1 by default)")
+    g.add_argument("--mem", help="slurm: memory per point, e.g. 16G (resources.memory)")
+    g.add_argument("--time", type=int, metavar="MIN", help="slurm: time limit per point in minutes (resources.time)")
+    g.add_argument("--partition", help="slurm: partition (resources.partition)")
+    g.add_argument("--account", help="slurm: account (resources.account)")
+    g.add_argument("--sbatch", action="append", metavar="NAME=VALUE", help="slurm: another sbatch option (repeat; "
+                   "added to resources.sbatch), e.g. --sbatch qos=high")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("report", help="rebuild plots and report from results",

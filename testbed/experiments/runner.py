@@ -62,6 +62,12 @@ class ResultsStore:
         self.rows[row["point"]] = row
         self._save()
 
+    def order(self, ids: list[str]) -> None:
+        """Put the rows in the order of `ids` (others after them) and save."""
+        rank = {p: i for i, p in enumerate(ids)}
+        self.rows = dict(sorted(self.rows.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+        self._save()
+
     def _save(self) -> None:
         write_atomic(self.path, "".join(json.dumps(r, allow_nan=False, default=str) + "\n"
                                         for r in self.rows.values()))
@@ -217,20 +223,12 @@ def cfg_field(summary: dict, key: str):
     return v
 
 
-def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
-                   log=None, machines=None, cold: bool = False, recipes: list[str] | None = None) -> list[dict]:
-    """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given.
-    Warm (the default on this machine): points that share a topology, runtime and mode run on one topology
-    and worker services that stay up (testbed/experiments/warm.py); `cold`: a fresh topology and fresh
-    workers per point. `recipes`: only the points of recipes matching one of these shell patterns (and the
-    clean points they are compared with): a long experiment in parts, each run resuming the results of the
-    others."""
-    from testbed.experiments.warm import WarmSweep
-
-    from tqdm import tqdm
-
+def open_run(exp: Experiment, out: str | Path, runtime: str | None, recipes: list[str] | None = None):
+    """The run directory made ready (points/, the experiment's portable copy) and its results: (out, runtime,
+    fingerprint per recipe, the ResultsStore, the points). `recipes`: only the points of recipes matching one of
+    these shell patterns (and the clean points they are compared with), checked before anything is written."""
     points = exp.points()
-    if recipes:  # checked before anything is written
+    if recipes:
         chosen = [p for p in points if any(fnmatch.fnmatchcase(p.recipe, pat) for pat in recipes)]
         if not chosen:
             raise ValueError(f"--recipes {','.join(recipes)}: no recipe of the grid matches "
@@ -245,7 +243,21 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
         write_atomic(copy, exp.portable_copy())
     # every recipe of the grid (a part keeps the others' rows), and a control's baseline recipe even outside it
     fps = {r: exp.fingerprint(runtime, r) for r in dict.fromkeys([*exp.spec.grid.recipe, *(p.recipe for p in points)])}
-    store = ResultsStore(out, set(fps.values()))
+    return out, runtime, fps, ResultsStore(out, set(fps.values())), points
+
+
+def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
+                   log=None, machines=None, cold: bool = False, recipes: list[str] | None = None) -> list[dict]:
+    """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given.
+    Warm (the default on this machine): points that share a topology, runtime and mode run on one topology
+    and worker services that stay up (testbed/experiments/warm.py); `cold`: a fresh topology and fresh
+    workers per point. `recipes`: a long experiment in parts (open_run), each run resuming the results of the
+    others. Several points at once, or on Slurm: testbed/experiments/executors.py."""
+    from testbed.experiments.warm import WarmSweep
+
+    from tqdm import tqdm
+
+    out, runtime, fps, store, points = open_run(exp, out, runtime, recipes)
     done = {p: store.done(p, fps[p.recipe]) for p in points}
     todo = [p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")]
     bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,

@@ -147,6 +147,20 @@ class FaultSpec(_Strict):
     background_ber: Ber = 0.0
 
 
+class ResourcesSpec(_Strict):
+    """What one point's job asks of a scheduler (`testbed run --executor slurm`, docs/cluster.md); flags of
+    `testbed run` override each field. Not part of the fingerprint: where a point ran does not change it."""
+    cpus: int | None = Field(default=None, ge=1, description="CPUs per point (sbatch --cpus-per-task)")
+    gpus: int | None = Field(default=None, ge=0, description="GPUs per point (sbatch --gpus-per-node)")
+    memory: str | None = Field(default=None, pattern=r"^[0-9]+[KMGT]?$",
+                               description="memory per point, e.g. 16G (sbatch --mem)")
+    time: int | None = Field(default=None, ge=1, description="time limit per point in minutes (sbatch --time)")
+    partition: str | None = None
+    account: str | None = None
+    sbatch: dict[str, str | int | bool] = Field(default_factory=dict, description="more sbatch options, e.g. "
+                                                "{qos: high, constraint: a100} (names without the dashes)")
+
+
 class ExperimentFile(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,15}$")
     description: str | None = None
@@ -163,6 +177,7 @@ class ExperimentFile(_Strict):
     point_timeout: float = Field(default=1800, gt=0, description="wall-clock limit per point (s)")
     tolerance: Tolerance = Field(default=DEFAULT_TOLERANCE, description="the paired rule's tolerance on the "
                                  "eval-loss gap, relative to the clean eval loss ('1%' or 0.01); set before the run")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
 
 
 def format_ber(ber: float) -> str:
@@ -482,7 +497,7 @@ class Experiment:
         contents and the runtime. A re-run reuses a finished point only if it matches. A file without recipes
         and tokens_per_step hashes as it did before they existed."""
         d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies",
-                                          "recipes", "tokens_per_step", "fault", "tolerance"})
+                                          "recipes", "tokens_per_step", "fault", "tolerance", "resources"})
         r = self.recipe(recipe)
         if r.model is not None:
             d["model"] = r.model

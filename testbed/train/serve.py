@@ -26,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch._dynamo  # noqa: F401 (what DDP imports: paid once)
-import torch.nn.parallel  # noqa: F401
 
-from testbed.train import common, worker
+from testbed.train import common, worker  # first: worker sets where torch._dynamo's import makes its cache
+
+import torch._dynamo  # noqa: E402,F401 (what DDP imports: paid once)
+import torch.nn.parallel  # noqa: E402,F401
 
 POLL_S = 0.02
 
@@ -68,6 +69,7 @@ def fresh_state(args):
     np.random.seed(args.seed % 2**32)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(False)
+    worker.keep_torch_caches()
     worker.set_threads(args)
     torch._dynamo.reset()
 

@@ -395,6 +395,18 @@ def parse(argv=None):
     return args
 
 
+def keep_torch_caches() -> None:
+    """torch's own caches (the inductor's, which torch makes in /tmp/torchinductor_USER on first use even
+    without torch.compile) in the testbed's cache: a worker writes nothing outside its run directory and the
+    cache (docs/cluster.md, "Root, and points that need none")."""
+    from testbed.train.data import cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
+
+
+keep_torch_caches()  # before anything imports torch._dynamo (DDP does; testbed.train.serve at its import)
+
+
 def set_threads(args):
     torch.set_num_threads(max(1, args.threads or int(os.environ.get("TESTBED_TORCH_THREADS", "1"))))
 
@@ -402,6 +414,7 @@ def set_threads(args):
 def main(argv=None):
     faulthandler.enable()  # a gloo SIGABRT then leaves a Python traceback in the log
     args = parse(argv)
+    keep_torch_caches()
     set_threads(args)
     worker = Worker(args, started=process_start_time())
     worker.shutdown(worker.run_safely())
