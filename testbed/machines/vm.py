@@ -65,7 +65,7 @@ from typing import Callable, Iterator, Sequence
 
 from testbed import nsutil, procs
 from testbed.machines.inventory import Inventory, Machine, parse_inventory
-from testbed.machines.remote import RELAY
+from testbed.machines.remote import RELAY, known_hosts_line
 
 # ----------------------------------------------------------------------------------------------------------
 # The recipe.
@@ -457,7 +457,8 @@ def _keygen(path: Path, comment: str) -> None:
 
 class VMNetwork:
     """The VMs' network: namespace `tbv<TAG>-ul` with bridge br0 (192.0.2.1/24) and a tap per VM, a client
-    key for the VMs' root, and the relay the proxy command runs. `close()` kills every process in the
+    key for the VMs' root, a known_hosts file with every VM's host key (the inventory's `known_hosts:`), and
+    the relay the proxy command runs. `close()` kills every process in the
     namespace (qemu included), deletes it and the directory."""
 
     def __init__(self, tag: str | None = None):
@@ -467,6 +468,7 @@ class VMNetwork:
         self.netns = f"tbv{self.tag}-ul"
         self.dir: Path | None = None
         self.key: Path | None = None
+        self.known_hosts: Path | None = None
         self._taps = 0
         self._lock = threading.Lock()
 
@@ -485,6 +487,8 @@ class VMNetwork:
         try:
             self.key = self.dir / "client_key"
             _keygen(self.key, "testbed-vm-client")
+            self.known_hosts = self.dir / "known_hosts"
+            self.known_hosts.write_text("")
             (self.dir / "relay.py").write_text(RELAY)
             _ip("netns", "add", self.netns)
             self.exec("sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
@@ -503,6 +507,12 @@ class VMNetwork:
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} in {self.netns}: {r.stderr.strip()}")
         return r.stdout
+
+    def add_host_key(self, address: str, pubkey: Path) -> None:
+        """List a VM's host key in the network's known_hosts file."""
+        with self._lock:
+            with open(self.known_hosts, "a") as f:
+                f.write(known_hosts_line(address, 22, pubkey))
 
     def add_tap(self) -> str:
         with self._lock:
@@ -596,6 +606,7 @@ class VM:
         (cfg / "shares").write_text("".join(f"s{i} {p}\n" for i, p in enumerate(self.shares)))
         if not (cfg / "ssh_host_ed25519_key").exists():
             _keygen(cfg / "ssh_host_ed25519_key", f"testbed-vm-{self.name}")
+            self.network.add_host_key(self.address, cfg / "ssh_host_ed25519_key.pub")
         shutil.copy(f"{self.network.key}.pub", cfg / "authorized_keys")
         return cfg
 
@@ -703,7 +714,7 @@ class VM:
         """This VM as an inventory entry."""
         return Machine(name=self.name, address=self.address, user="root", port=22, key=str(self.network.key),
                        testbed=testbed_cmd or guest_testbed(), underlay_iface=GUEST_IFACE,
-                       proxy_command=self.network.proxy_command)
+                       proxy_command=self.network.proxy_command, known_hosts=str(self.network.known_hosts))
 
     def ssh(self, timeout: float = 10.0):
         """A testbed.machines.remote.Remote connected to it (a context manager)."""
