@@ -15,7 +15,7 @@ APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux
 	clang libbpf-dev bpftool
 PYTEST_ARGS ?=
 
-.PHONY: deps system-deps python-deps vm-deps docker-engine image demo test test-all test-vm bench clean-testbed help
+.PHONY: deps system-deps python-deps vm-deps vagrant-deps vagrant-box docker-engine image demo test test-all test-vm bench clean-testbed help
 
 help:
 	@echo "make demo   install what is missing, then run the main job"
@@ -81,6 +81,22 @@ vm-deps:
 
 test-vm: deps vm-deps
 	$(PY) -m pytest -q -rA -m vm $(PYTEST_ARGS) tests/test_vms.py
+
+# Vagrant under libvirt (issue 24): Debian's libvirt and vagrant-libvirt (services kept from starting: the testbed
+# starts its own libvirtd inside a network namespace), and a libvirt box built here from Debian packages
+# (testbed/machines/vagrantbox.py; ~5 min the first time), registered as testbed/bookworm-local.
+VAGRANT_PACKAGES := $(VM_PACKAGES) qemu-utils libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients \
+	dnsmasq-base vagrant vagrant-libvirt rsync
+vagrant-deps:
+	@missing=""; for p in $(VAGRANT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing system packages:$$missing"; \
+	  noservice=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+	    chmod +x /usr/sbin/policy-rc.d; noservice=1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  rc=$$?; [ -z "$$noservice" ] || rm -f /usr/sbin/policy-rc.d; [ $$rc -eq 0 ] || exit $$rc; fi
+
+vagrant-box: deps vagrant-deps
+	$(PY) -m testbed.machines.vagrantbox build --add
 
 bench: deps
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
