@@ -15,7 +15,7 @@ APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux
 	clang libbpf-dev bpftool
 PYTEST_ARGS ?=
 
-.PHONY: deps system-deps python-deps vm-deps vagrant-deps vagrant-box docker-engine image demo test test-all test-vm bench clean-testbed help
+.PHONY: deps system-deps python-deps vm-deps vagrant-deps vagrant-box test-vagrant docker-engine image demo test test-all test-vm bench clean-testbed help
 
 help:
 	@echo "make demo   install what is missing, then run the main job"
@@ -69,7 +69,7 @@ test: deps docker-engine
 # Everything: the tests marked slow too (GPT-2 124M ~1 min, DDP on ring4 for 5 seeds, the deviation-vs-BER
 # runs; ~6 min more).
 test-all: deps docker-engine
-	$(PY) -m pytest -q -m "not vm" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not vm and not vagrant" $(PYTEST_ARGS) tests
 
 # Two qemu VMs from a Debian image built here (testbed/machines/vm.py; the first run builds it, ~2-3 min) carrying a
 # topology across them through --machines: ~4-5 min with the image cached, ~7 min with the build.
@@ -97,6 +97,11 @@ vagrant-deps:
 
 vagrant-box: deps vagrant-deps
 	$(PY) -m testbed.machines.vagrantbox build --add
+
+# vagrant up (one VM, libvirt in a namespace of its own, TCG where KVM does not work) with that box; ~2 min with the
+# box cached. Outside `make test`.
+test-vagrant: deps vagrant-deps
+	$(PY) -m pytest -q -rA -s -m vagrant $(PYTEST_ARGS) tests/test_vagrant_up.py
 
 bench: deps
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

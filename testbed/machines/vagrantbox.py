@@ -237,6 +237,7 @@ def box_accel(box: Box, log: vm.Log = vm.quiet) -> str:
 # libvirt in a namespace of the testbed's own, and Vagrant driving it.
 
 LIBVIRT_SOCKET = Path("/run/libvirt/libvirt-sock")
+IMAGES_DIR = Path("/var/lib/libvirt/images")  # the `default` storage pool vagrant-libvirt makes
 # libvirtd's qemu driver settings for the testbed's libvirtd: qemu runs as root (it reads the box's kernel and
 # the shared folders wherever they are), no security driver (none is loaded on the build machines). Bound over
 # /etc/libvirt/qemu.conf in libvirtd's own mount namespace only: the machine's file is not changed.
@@ -301,6 +302,20 @@ class LibvirtNetns:
     def virsh(self, *args: str, check: bool = True) -> str:
         return self.run(["virsh", "-c", "qemu:///system", *args], timeout=120, check=check).stdout
 
+    def ssh_config(self, cwd: str, env: dict | None = None) -> str:
+        """`vagrant ssh-config`, with a ProxyCommand in every entry that relays the connection from inside the
+        namespace (the VMs' management addresses are reachable only there), as vm.py's VMs are reached."""
+        import sys
+
+        from testbed.machines.remote import RELAY
+
+        relay = self.home / "relay.py"
+        relay.write_text(RELAY)
+        text = self.vagrant(["ssh-config"], cwd=cwd, env=env).stdout
+        proxy = f"  ProxyCommand nsenter --net={self.netns_path} -- {sys.executable} -I -S {relay} %h %p\n"
+        return "".join(line + ("\n" if not line.endswith("\n") else "") + (proxy if line.startswith("Host ") else "")
+                       for line in text.splitlines())
+
     def inventory(self) -> dict[str, set[str]]:
         """The domains, networks, storage pools and volumes libvirt has defined."""
         pools = set(self.virsh("pool-list", "--all", "--name", check=False).split())
@@ -309,7 +324,8 @@ class LibvirtNetns:
             vols |= {f"{pool}/{v}" for v in self.virsh("vol-list", pool, "--name", check=False).split()}
         return {"domains": set(self.virsh("list", "--all", "--name", check=False).split()),
                 "networks": set(self.virsh("net-list", "--all", "--name", check=False).split()),
-                "pools": pools, "volumes": vols}
+                "pools": pools, "volumes": vols,
+                "image_files": set(os.listdir(IMAGES_DIR)) if IMAGES_DIR.is_dir() else set()}
 
     def remove_new(self) -> None:
         """Stop and remove every domain, network, volume and pool defined since the daemons started (what
@@ -327,6 +343,9 @@ class LibvirtNetns:
         for pool in sorted(now["pools"] - self.before["pools"]):
             self.virsh("pool-destroy", pool, check=False)
             self.virsh("pool-undefine", pool, check=False)
+        # vol-list can fail on a pool vagrant-libvirt made (seen here): its files too, by what was there before
+        for f in sorted(set(os.listdir(IMAGES_DIR)) - self.before["image_files"]) if IMAGES_DIR.is_dir() else []:
+            (IMAGES_DIR / f).unlink(missing_ok=True)
 
 
 @contextmanager
@@ -385,8 +404,10 @@ def libvirt_netns(netns: str | None = None, home: str | os.PathLike | None = Non
         r = subprocess.run(["ip", "netns", "del", netns], capture_output=True, text=True)
         if r.returncode != 0:
             problems.append(f"ip netns del {netns}: {r.stderr.strip()}")
+        if home is None:
+            shutil.rmtree(home_dir, ignore_errors=True)  # ours: the boxes added there go with it
         if problems:
-            log("libvirt_netns cleanup: " + "; ".join(problems))
+            raise RuntimeError("libvirt_netns cleanup: " + "; ".join(problems))
 
 
 def add_box(box: Box, env: dict | None = None, log: vm.Log = vm.quiet) -> None:
