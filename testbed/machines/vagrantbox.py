@@ -391,16 +391,20 @@ def libvirt_netns(netns: str | None = None, home: str | os.PathLike | None = Non
                 lv.remove_new()
         except Exception as e:  # noqa: BLE001 - keep cleaning
             problems.append(f"removing domains, networks and volumes: {e}")
-        for name, pidfile in LIBVIRT_PIDFILES.items():
-            pid = _pid_alive(pidfile)
-            if pid is not None:
-                os.kill(pid, 15)
+        daemons = [p for p in (_pid_alive(f) for f in LIBVIRT_PIDFILES.values()) if p is not None]
+        for pid in daemons:
+            os.kill(pid, 15)
         try:
             from testbed import nsutil
 
-            nsutil.kill_processes_in_netns(lv.netns_path, grace_s=5.0)
+            daemons += nsutil.kill_processes_in_netns(lv.netns_path, grace_s=5.0)
         except Exception as e:  # noqa: BLE001 - keep cleaning
             problems.append(f"killing processes in {netns}: {e}")
+        deadline = time.monotonic() + 10
+        while (left := [p for p in daemons if Path(f"/proc/{p}").exists()]) and time.monotonic() < deadline:
+            time.sleep(0.1)  # not our children: init reaps them
+        if left:
+            problems.append(f"processes still there: {left}")
         r = subprocess.run(["ip", "netns", "del", netns], capture_output=True, text=True)
         if r.returncode != 0:
             problems.append(f"ip netns del {netns}: {r.stderr.strip()}")
