@@ -14,6 +14,8 @@ Layout (tag T, by default from the pid, so that parallel test sessions never col
   its namespaces only), TMPDIR (its own, removed at the end; Remote.start's logs go there) and PATH (the venv's
   bin first; on this host root's ~/.bashrc, which bash reads for SSH commands, puts pyenv's and cargo's first
   again, so name commands by absolute path, as the inventory's `testbed:` does).
+- `known_hosts` in the session's directory lists every machine's host key: the inventory points at it
+  (`known_hosts:`), so the controller checks the machines' keys as it would any machine's.
 Host interfaces and routes are never touched: the controller (the test process, in the root namespace) reaches
 the machines only over SSH, through a proxy command that relays the connection from inside the underlay
 namespace (`nsenter --net=... python relay.py %h %p`, the machine's `proxy_command`).
@@ -44,7 +46,7 @@ from typing import Iterator
 
 from testbed import nsutil
 from testbed.machines.inventory import Inventory, Machine, parse_inventory
-from testbed.machines.remote import RELAY
+from testbed.machines.remote import RELAY, known_hosts_line
 from testbed.machines.vm import SSHD_COMMON
 
 SSHD = "/usr/sbin/sshd"
@@ -75,6 +77,12 @@ class TestMachine:
     underlay_iface: str = UNDERLAY_IFACE
     underlay_netns: str = ""  # the underlay's namespace (the bridge; the proxies run there)
     dir: str = ""       # its sshd config, host key and log
+    known_hosts: str = ""  # the session's known_hosts file (every machine's host key)
+
+    @property
+    def host_key(self) -> str:
+        """Its host public key file."""
+        return str(Path(self.dir) / "host_ed25519.pub")
 
     @property
     def netns_path(self) -> str:
@@ -90,7 +98,7 @@ class TestMachine:
         """This machine as an inventory entry (fields overridable, e.g. address=, key=, testbed=)."""
         m = Machine(name=self.name, address=self.address, user=self.user, port=self.port, key=self.key,
                     testbed=testbed_cmd or venv_testbed(), underlay_iface=self.underlay_iface,
-                    proxy_command=self.proxy_command)
+                    proxy_command=self.proxy_command, known_hosts=self.known_hosts or None)
         return replace(m, **overrides)
 
 
@@ -187,6 +195,8 @@ class _Lab:
             _ip("-n", ns, "link", "set", UNDERLAY_IFACE, "up")
             prefix = f"tbm{self.tag}m{i}."
             _keygen(mdir / "host_ed25519")
+            with open(self.dir / "known_hosts", "a") as kh:
+                kh.write(known_hosts_line(address, 22, mdir / "host_ed25519.pub"))
             config = mdir / "sshd_config"
             config.write_text(_sshd_config(address, mdir, self.dir / "authorized_keys", state, prefix))
             log = open(mdir / "sshd.log", "wb")
@@ -198,7 +208,8 @@ class _Lab:
                 log.close()
             self.machines.append(TestMachine(name=name, address=address, port=22, user="root", key=str(key),
                                              netns=ns, prefix=prefix, state_dir=str(state), proxy_command=proxy,
-                                             underlay_netns=self.ul, dir=str(mdir)))
+                                             underlay_netns=self.ul, dir=str(mdir),
+                                             known_hosts=str(self.dir / "known_hosts")))
         for m in self.machines:
             self._wait_listening(m)
 

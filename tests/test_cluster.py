@@ -262,13 +262,20 @@ def test_an_unreachable_machine_and_a_bad_key_give_clear_errors_and_build_nothin
     key = tmp_path / "other_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     bad_key = dict(doc, machines={**doc["machines"], "m2": {**doc["machines"]["m2"], "key": str(key)}})
-    for what, d in (("unreachable", bad_addr), ("authentication", bad_key)):
+    (tmp_path / "empty_known_hosts").write_text("")
+    unknown_host_key = dict(doc, machines={**doc["machines"], "m2": {**doc["machines"]["m2"],
+                                                                     "known_hosts": str(tmp_path / "empty_known_hosts")}})
+    fp = subprocess.run(["ssh-keygen", "-l", "-f", ms[1].host_key], capture_output=True, text=True,
+                        check=True).stdout.split()[1]
+    for what, d in (("unreachable", bad_addr), ("authentication", bad_key), ("host-key", unknown_host_key)):
         f = tmp_path / f"{what}.yaml"
         f.write_text(yaml.safe_dump(d))
         name = unique_name("pair")
         r = tb_cli("up", str(TOPOLOGIES / "pair.yaml"), "--name", name, "--machines", str(f), timeout=120)
         assert r.returncode != 0
         assert "m2" in r.stderr and what.split("-")[0][:6] in r.stderr.lower(), r.stderr
+        if what == "host-key":
+            assert f"m2 (192.0.2.12:22): host-key: unknown host key ssh-ed25519 {fp}" in r.stderr, r.stderr
         assert cluster.cluster_of(name) is None
         assert_nothing_left(ms, name)
 

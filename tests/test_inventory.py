@@ -217,9 +217,11 @@ def test_vagrant_ssh_config(tmp_path):
     assert inv.path == path
     assert inv.machines == {
         "m1": Machine("m1", "192.168.121.10", user="vagrant", port=22,
-                      key="/path/.vagrant/machines/m1/libvirt/private_key"),
+                      key="/path/.vagrant/machines/m1/libvirt/private_key", host_key_check=False,
+                      known_hosts="/dev/null"),
         "m2": Machine("m2", "192.168.121.11", user="vagrant", port=2222,
-                      key="/path/.vagrant/machines/m2/libvirt/private_key"),
+                      key="/path/.vagrant/machines/m2/libvirt/private_key", host_key_check=False,
+                      known_hosts="/dev/null"),
     }
 
 
@@ -277,3 +279,64 @@ def test_ssh_config_errors_name_file_and_line(tmp_path):
         parse_inventory("Host *\n  User root\n")
     with pytest.raises(InputError, match=r"<ssh-config>:1: machines.local: 'local' is reserved"):
         inventory_from_ssh_config("Host local\n  HostName 192.0.2.1\n")
+
+
+# -- host key checking ------------------------------------------------------------------------------------
+
+
+def test_host_key_check_defaults_to_checked(tmp_path):
+    inv = parse_inventory("machines:\n  m1: {address: 192.0.2.11}\n")
+    assert inv["m1"].host_key_check is True and inv["m1"].known_hosts is None
+    text = ("machines:\n"
+            "  a: {address: 192.0.2.11, host_key_check: accept-new, known_hosts: lab/known_hosts}\n"
+            "  b: {address: 192.0.2.12, host_key_check: false, known_hosts: ~/kh}\n"
+            "  c: {address: 192.0.2.13, host_key_check: true, known_hosts: /etc/lab_hosts}\n")
+    path = write(tmp_path, text)
+    inv = load_inventory(path)
+    assert inv["a"].host_key_check == "accept-new" and inv["a"].known_hosts == str(tmp_path / "lab/known_hosts")
+    assert inv["b"].host_key_check is False and inv["b"].known_hosts == os.path.expanduser("~/kh")
+    assert inv["c"].host_key_check is True and inv["c"].known_hosts == "/etc/lab_hosts"
+    # the settings survive the machines file the inventory writes
+    assert load_inventory(write(tmp_path, inv.to_yaml(), "again.yaml")).machines == inv.machines
+    assert "host_key_check" not in parse_inventory("machines:\n  m1: {address: 192.0.2.11}\n").to_yaml()
+
+
+@pytest.mark.parametrize("value", ["maybe", "0", "1", "null", "ask", "'no'"])
+def test_host_key_check_bad_values(tmp_path, value):
+    path = write(tmp_path, f"machines:\n  m1: {{address: 192.0.2.11}}\n  m2:\n    address: 192.0.2.12\n"
+                           f"    host_key_check: {value}\n")
+    with pytest.raises(InputError, match=rf"^{path}:5: machines.m2.host_key_check: .*want true .*accept-new "
+                                         r".*false"):
+        load_inventory(path)
+    with pytest.raises(InputError, match=r"machines.m1.known_hosts: is empty"):
+        parse_inventory("machines:\n  m1: {address: 192.0.2.11, known_hosts: ''}\n")
+
+
+@pytest.mark.parametrize("setting, check", [("yes", True), ("ask", True), ("accept-new", "accept-new"),
+                                            ("no", False), ("off", False), ("Yes", True)])
+def test_ssh_config_strict_host_key_checking(setting, check):
+    inv = parse_inventory(f"Host m1\n  HostName 192.0.2.11\n  StrictHostKeyChecking {setting}\n")
+    assert inv["m1"].host_key_check == check and inv["m1"].known_hosts is None
+    assert parse_inventory(inventory_from_ssh_config(
+        f"Host m1\n  HostName 192.0.2.11\n  StrictHostKeyChecking {setting}\n")).machines == inv.machines
+
+
+def test_ssh_config_known_hosts_files(tmp_path):
+    inv = parse_inventory("Host m1\n  HostName 192.0.2.11\n  UserKnownHostsFile ~/.ssh/lab_hosts ~/.ssh/other\n"
+                          "Host m2\n  HostName 192.0.2.12\n  UserKnownHostsFile none\n"
+                          "Host m3\n  HostName 192.0.2.13\n")
+    assert inv["m1"].known_hosts == os.path.expanduser("~/.ssh/lab_hosts")  # the first, which ssh writes to
+    assert inv["m2"].known_hosts == "/dev/null"
+    assert inv["m3"].known_hosts is None and inv["m3"].host_key_check is True  # OpenSSH's default: ask
+    path = write(tmp_path, "Host m1\n  HostName 192.0.2.11\n\n  StrictHostKeyChecking sometimes\n", "cfg")
+    with pytest.raises(InputError, match=rf"^{path}:4: machines.m1.host_key_check: 'sometimes': want true"):
+        load_inventory(path)
+
+
+def test_vagrant_ssh_config_is_not_checked():
+    """`vagrant ssh-config` says StrictHostKeyChecking no and UserKnownHostsFile /dev/null: the converted
+    inventory keeps both, so its throwaway VMs connect without a known key and record none."""
+    text = inventory_from_ssh_config(VAGRANT, user="root", underlay_iface="eth1")
+    for m in parse_inventory(text):
+        assert (m.host_key_check, m.known_hosts, m.user, m.underlay_iface) == (False, "/dev/null", "root", "eth1")
+    assert "host_key_check: false, known_hosts: /dev/null" in text

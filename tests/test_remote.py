@@ -5,6 +5,7 @@ long-running processes, `check()` and every connection error. Root: creates name
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -12,11 +13,12 @@ import time
 import pytest
 
 import testbed
+from conftest import TESTBED
 from sshmachines import inventory, namespaces_of, new_tag, ssh_machines
-from testbed.machines.inventory import Inventory, Machine
-from testbed.machines.remote import (AuthenticationError, CommandError, NotRootError, Remote, RemoteError, RemoteFileError,
-                            RemoteTimeoutError, Result, TestbedMissingError, UnreachableError, VersionError,
-                            connect_all)
+from testbed.machines.inventory import Inventory, Machine, inventory_from_ssh_config, parse_inventory
+from testbed.machines.remote import (AuthenticationError, CommandError, HostKeyError, NotRootError, Remote, RemoteError,
+                                     RemoteFileError, RemoteTimeoutError, Result, TestbedMissingError,
+                                     UnreachableError, VersionError, connect_all, known_hosts_line)
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +308,146 @@ def test_wrong_key_is_an_authentication_error(lab, tmp_path):
     (tmp_path / "garbage").write_text("not a key\n")
     with pytest.raises(AuthenticationError, match=r"cannot read key .*garbage"):
         Remote.connect(lab[1].machine(key=str(tmp_path / "garbage")))
+
+
+# -- host keys --------------------------------------------------------------------------------------------
+
+
+def host_fingerprint(m) -> str:
+    """The machine's host key fingerprint as OpenSSH prints it (ssh-keygen -l of its sshd's key)."""
+    return subprocess.run(["ssh-keygen", "-l", "-f", m.host_key], capture_output=True, text=True,
+                          check=True).stdout.split()[1]
+
+
+def other_key_line(tmp_path, address: str) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "impostor")], check=True)
+    return known_hosts_line(address, 22, tmp_path / "impostor.pub")
+
+
+def test_the_machines_keys_are_checked_against_their_known_hosts(lab):
+    """The test machines' inventory points at a known_hosts file with their host keys (sshmachines): the
+    connection is made with host_key_check true, the default."""
+    m = lab[0].machine()
+    assert m.host_key_check is True and m.known_hosts and os.path.exists(m.known_hosts)
+    with Remote.connect(m) as r:
+        assert r.client.get_transport().get_remote_server_key().fingerprint == host_fingerprint(lab[0])
+
+
+def test_an_unknown_host_key_is_refused_by_default(lab, tmp_path, monkeypatch):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with pytest.raises(HostKeyError) as e:
+        Remote.connect(lab[0].machine(known_hosts=str(empty)))
+    fp = host_fingerprint(lab[0])
+    assert e.value.problem == "unknown" and e.value.fingerprint == fp and e.value.machine == "m1"
+    assert str(e.value).startswith(f"m1 (192.0.2.11:22): host-key: unknown host key ssh-ed25519 {fp}: no "
+                                   f"known_hosts file lists a key for 192.0.2.11 (read: {empty}, "
+                                   "/etc/ssh/ssh_known_hosts)")
+    assert empty.read_text() == ""
+    # no known_hosts: field: ~/.ssh/known_hosts, as OpenSSH (HOME here is an empty directory)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(HostKeyError, match=rf"unknown host key ssh-ed25519 {re.escape(fp)}: .*read: "
+                                           rf"{re.escape(str(tmp_path))}/home/.ssh/known_hosts"):
+        Remote.connect(lab[0].machine(known_hosts=None))
+    assert not (tmp_path / "home").exists()
+    # connect_all names it among the failures
+    with pytest.raises(HostKeyError) as e:
+        connect_all(Inventory({"m1": lab[0].machine(), "m2": lab[1].machine(known_hosts=str(empty))}))
+    assert e.value.machine == "m2" and host_fingerprint(lab[1]) in str(e.value)
+
+
+def test_a_changed_host_key_is_refused_with_its_fingerprint(tmp_path):
+    """A machine whose sshd got a new host key (rebuilt, or someone else at its address) is refused, by the
+    default and by accept-new, naming the new key's fingerprint and the old one's line; false lets it in."""
+    with ssh_machines(1) as (m,):
+        recorded = tmp_path / "known_hosts"
+        recorded.write_text(known_hosts_line(m.address, 22, m.host_key))
+        with Remote.connect(m.machine(known_hosts=str(recorded))) as r:
+            assert r.run(["id", "-u"]).stdout.strip() == "0"
+        old = host_fingerprint(m)
+        # a new host key, and sshd reloads it (SIGHUP: it re-executes itself)
+        key = m.host_key.removesuffix(".pub")
+        os.remove(key)
+        os.remove(m.host_key)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
+        new = host_fingerprint(m)
+        assert new != old
+        pid = int(open(os.path.join(m.dir, "sshd.pid")).read())
+        os.kill(pid, 1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with Remote.connect(m.machine(host_key_check=False)) as r:
+                    if r.client.get_transport().get_remote_server_key().fingerprint == new:
+                        break
+            except RemoteError:
+                pass
+            assert time.monotonic() < deadline, m.sshd_log()
+            time.sleep(0.2)
+        for check in (True, "accept-new"):
+            with pytest.raises(HostKeyError) as e:
+                Remote.connect(m.machine(known_hosts=str(recorded), host_key_check=check))
+            assert e.value.problem == "changed" and e.value.fingerprint == new
+            assert str(e.value).startswith(f"m1 (192.0.2.11:22): host-key: HOST KEY CHANGED: the machine offers "
+                                           f"ssh-ed25519 {new}, but {recorded}:1 lists ssh-ed25519 {old} for "
+                                           "192.0.2.11")
+        assert len(recorded.read_text().splitlines()) == 1  # accept-new recorded nothing
+
+
+def test_accept_new_records_the_key_and_false_checks_nothing(lab, tmp_path):
+    kh = tmp_path / "lab" / "known_hosts"
+    with Remote.connect(lab[1].machine(known_hosts=str(kh), host_key_check="accept-new")) as r:
+        assert r.run(["id", "-u"]).stdout.strip() == "0"
+    assert kh.read_text() == known_hosts_line(lab[1].address, 22, lab[1].host_key)
+    with Remote.connect(lab[1].machine(known_hosts=str(kh))):  # now known to the strict check
+        pass
+    with Remote.connect(lab[1].machine(known_hosts=str(kh), host_key_check="accept-new")):
+        pass
+    assert kh.read_text() == known_hosts_line(lab[1].address, 22, lab[1].host_key)  # once
+    # false: a file listing another key for the address, and nothing written to it
+    wrong = tmp_path / "wrong_known_hosts"
+    wrong.write_text(other_key_line(tmp_path, lab[1].address))
+    with pytest.raises(HostKeyError, match="HOST KEY CHANGED"):
+        Remote.connect(lab[1].machine(known_hosts=str(wrong), host_key_check="accept-new"))
+    before = wrong.read_text()
+    with Remote.connect(lab[1].machine(known_hosts=str(wrong), host_key_check=False)) as r:
+        assert r.run(["id", "-u"]).stdout.strip() == "0"
+    assert wrong.read_text() == before
+
+
+def test_a_vagrant_style_ssh_config_connects_without_prompts(lab, tmp_path, monkeypatch):
+    """`vagrant ssh-config` says StrictHostKeyChecking no and UserKnownHostsFile /dev/null: such a config
+    (and the inventory `testbed machines from-ssh-config` makes of it) connects to machines whose keys no file
+    lists, with nothing on stdin, and writes no known_hosts file."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config = "".join(f"""Host {m.name}
+  HostName {m.address}
+  User root
+  Port 22
+  UserKnownHostsFile /dev/null
+  StrictHostKeyChecking no
+  PasswordAuthentication no
+  IdentityFile {m.key}
+  IdentitiesOnly yes
+  LogLevel FATAL
+  ProxyCommand {m.proxy_command}
+
+""" for m in lab)
+    (tmp_path / "machines.ssh").write_text(config)
+    for inv in (parse_inventory(config), parse_inventory(inventory_from_ssh_config(config))):
+        assert all(m.host_key_check is False and m.known_hosts == "/dev/null" for m in inv)
+        rs = connect_all(inv)
+        try:
+            assert [r.run(["id", "-u"], input=None).stdout.strip() for r in rs.values()] == ["0", "0"]
+        finally:
+            for r in rs.values():
+                r.close()
+    # through the CLI, as the README's Vagrant steps do, with stdin closed (a prompt would fail)
+    out = subprocess.run([*TESTBED, "machines", "from-ssh-config", str(tmp_path / "machines.ssh")],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, check=True).stdout
+    with Remote.connect(parse_inventory(out)["m2"]) as r:
+        assert r.run(["hostname", "-I"]).stdout.split() == [lab[1].address]
+    assert not (tmp_path / "home").exists()
 
 
 def test_connect_all_closes_the_good_connections_on_failure(lab, monkeypatch):

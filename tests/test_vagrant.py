@@ -66,6 +66,7 @@ def test_validate(tmp_path, settings, machines):
     ("TESTBED_VMS", "0"),
     ("TESTBED_VM_MEMORY", "4G"),
     ("TESTBED_VM_NET", "192.168.300"),
+    ("TESTBED_VM_ACCEL", "hvf"),
 ])
 def test_validate_rejects_bad_setting(tmp_path, name, value):
     r = vagrant_validate(tmp_path, **{name: value})
@@ -73,6 +74,24 @@ def test_validate_rejects_bad_setting(tmp_path, name, value):
     # The Vagrantfile's own message (not a Ruby error from deeper down), naming the variable and its value.
     assert f'Vagrantfile: {name}="{value}" is not valid' in r.stderr, r.stdout + r.stderr
     assert "validated successfully" not in r.stdout
+
+
+@needs_vagrant
+@pytest.mark.parametrize("boxes, settings, local", [
+    ([], {}, False),
+    (["testbed-VAGRANTSLASH-bookworm-local"], {}, True),
+    (["testbed-VAGRANTSLASH-bookworm-local", "debian-VAGRANTSLASH-bookworm64"], {}, False),
+    (["testbed-VAGRANTSLASH-bookworm-local"], {"TESTBED_VM_BOX": "my/box"}, False),
+], ids=["none", "local-only", "both", "explicit"])
+def test_local_box_is_the_fallback(tmp_path, boxes, settings, local):
+    """Without TESTBED_VM_BOX, the box built here (`make vagrant-box`) is used when debian/bookworm64 is not
+    installed and it is, and the Vagrantfile says so."""
+    for b in boxes:
+        (tmp_path / "vagrant.d" / "boxes" / b).mkdir(parents=True)
+    r = vagrant_validate(tmp_path, **settings)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = "box debian/bookworm64 is not installed: using testbed/bookworm-local" in r.stderr
+    assert said == local, r.stderr
 
 
 def test_vagrantfile_provisions_what_the_testbed_needs():

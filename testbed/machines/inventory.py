@@ -11,13 +11,17 @@ relative path is taken from the file's directory), `testbed` (the testbed comman
 its PATH; split like a shell would, so `/opt/venv/bin/python -m testbed` works), `underlay_iface` (the interface
 carrying the tunnels; default: the one with the route to the other machines) and `proxy_command` (OpenSSH's
 ProxyCommand, for machines behind a jump host or in a network namespace: run by /bin/sh, its stdin/stdout are
-the connection; %h, %p, %r and %% are replaced by the address, port, user and %). Machine names follow the
+the connection; %h, %p, %r and %% are replaced by the address, port, user and %), `host_key_check` (`true`, the
+default: the machine's host key must be listed in a known_hosts file; `accept-new`: an unknown key is added to
+the known_hosts file, a changed one refused; `false`: not checked) and `known_hosts` (the file read and written
+instead of ~/.ssh/known_hosts; /etc/ssh/ssh_known_hosts is read too, as OpenSSH does). Machine names follow the
 rule of node names in topologies; `local` is reserved (the controller itself).
 
 The output of `vagrant ssh-config` (any OpenSSH client config) is accepted as a machines file too: a file
 whose first meaningful line starts with `Host ` is read with `paramiko.SSHConfig`, one machine per `Host`
-entry (patterns with `*`, `?` or `!` are skipped); `inventory_from_ssh_config(text)` writes the equivalent
-machines file. Errors are `InputError`s, `FILE:LINE: FIELD: PROBLEM`, like topology files.
+entry (patterns with `*`, `?` or `!` are skipped), its StrictHostKeyChecking (yes and ask: true, accept-new,
+no and off: false) and UserKnownHostsFile (the first file) becoming host_key_check and known_hosts;
+`inventory_from_ssh_config(text)` writes the equivalent machines file. Errors are `InputError`s, `FILE:LINE: FIELD: PROBLEM`, like topology files.
 
 Pure: nothing here touches the system but reading the file.
 """
@@ -30,7 +34,7 @@ import re
 import shlex
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import paramiko
 import yaml
@@ -48,11 +52,17 @@ _HOSTNAME_RE = re.compile(r"^(?=.{1,253}\.?$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-
 DEFAULT_USER = "root"
 DEFAULT_PORT = 22
 DEFAULT_TESTBED = "testbed"
+# host_key_check: True (the key must be known), ACCEPT_NEW (an unknown key is recorded, a changed one refused),
+# False (not checked). OpenSSH's StrictHostKeyChecking values, as the testbed reads them from an ssh config.
+ACCEPT_NEW = "accept-new"
+HOST_KEY_CHECKS = (True, ACCEPT_NEW, False)
+_STRICT_HOST_KEY_CHECKING = {"yes": True, "ask": True, "accept-new": ACCEPT_NEW, "no": False, "off": False}
 
 
 @dataclass(frozen=True)
 class Machine:
-    """One machine of the inventory. `key` is an absolute path (or None: the agent and default keys)."""
+    """One machine of the inventory. `key` is an absolute path (or None: the agent and default keys);
+    `host_key_check` one of HOST_KEY_CHECKS; `known_hosts` an absolute path (or None: ~/.ssh/known_hosts)."""
 
     name: str
     address: str
@@ -62,6 +72,8 @@ class Machine:
     testbed: str = DEFAULT_TESTBED
     underlay_iface: str | None = None
     proxy_command: str | None = None
+    host_key_check: bool | str = True
+    known_hosts: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -135,6 +147,16 @@ class MachineModel(_Strict):
     testbed: str = DEFAULT_TESTBED
     underlay_iface: str | None = None
     proxy_command: str | None = None
+    host_key_check: bool | Literal["accept-new"] = True
+    known_hosts: str | None = None
+
+    @field_validator("host_key_check", mode="before")
+    @classmethod
+    def _host_key_check(cls, v: Any) -> Any:
+        if v not in HOST_KEY_CHECKS or (v != ACCEPT_NEW and not isinstance(v, bool)):
+            raise ValueError(f"{v!r}: want true (the host key must be in known_hosts, the default), accept-new "
+                             "(an unknown key is added to known_hosts, a changed one refused) or false (not checked)")
+        return v
 
     @field_validator("address")
     @classmethod
@@ -157,7 +179,7 @@ class MachineModel(_Strict):
             raise ValueError(f"{v!r} is not a user name (letters, digits, '_', '.', '-')")
         return v
 
-    @field_validator("key", "proxy_command")
+    @field_validator("key", "proxy_command", "known_hosts")
     @classmethod
     def _nonempty(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
@@ -265,15 +287,20 @@ def _build(doc: YamlDocument, data: dict, base: Path) -> Inventory:
             problems.append((f"machines.{name}.address", f"same address and port as machine {seen[ident]} ({endpoint})"))
             continue
         seen[ident] = name
-        key = None
-        if m.key is not None:
-            key = os.path.expanduser(m.key)
-            key = str(base / key) if not os.path.isabs(key) else key
-        machines[name] = Machine(name=name, address=m.address, user=m.user, port=m.port, key=key,
-                                 testbed=m.testbed, underlay_iface=m.underlay_iface, proxy_command=m.proxy_command)
+        machines[name] = Machine(name=name, address=m.address, user=m.user, port=m.port, key=_file(m.key, base),
+                                 testbed=m.testbed, underlay_iface=m.underlay_iface, proxy_command=m.proxy_command,
+                                 host_key_check=m.host_key_check, known_hosts=_file(m.known_hosts, base))
     if problems:
         raise doc.error(problems)
     return Inventory(machines, None if doc.file.startswith("<") else doc.file)
+
+
+def _file(path: str | None, base: Path) -> str | None:
+    """A file field: `~` expanded, a relative path taken from `base`."""
+    if path is None:
+        return None
+    path = os.path.expanduser(path)
+    return str(base / path) if not os.path.isabs(path) else path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -281,7 +308,8 @@ def _build(doc: YamlDocument, data: dict, base: Path) -> Inventory:
 
 # ssh_config keyword (lower case) -> the machine field it sets
 _SSH_KEYWORDS = {"hostname": "address", "user": "user", "port": "port", "identityfile": "key",
-                 "proxycommand": "proxy_command"}
+                 "proxycommand": "proxy_command", "stricthostkeychecking": "host_key_check",
+                 "userknownhostsfile": "known_hosts"}
 
 
 def inventory_from_ssh_config(text: str, path: str = "<ssh-config>", underlay_iface: str | None = None,
@@ -323,6 +351,15 @@ def _from_ssh_config(text: str, path: str) -> Inventory:
                 pass  # the schema reports it
         if str(m.get("proxy_command", "")).lower() == "none":
             del m["proxy_command"]
+        if "host_key_check" in m:
+            # the schema reports a value that is none of OpenSSH's
+            m["host_key_check"] = _STRICT_HOST_KEY_CHECKING.get(str(m["host_key_check"]).lower(), m["host_key_check"])
+        if "known_hosts" in m:
+            # OpenSSH reads every file listed and writes to the first; the testbed uses the first
+            files = shlex.split(str(m["known_hosts"]))
+            m["known_hosts"] = files[0] if files else m["known_hosts"]
+            if m["known_hosts"].lower() == "none":
+                m["known_hosts"] = os.devnull
         raw[name] = m
     if not hosts:
         problems.append(("", "no machines: no `Host NAME` entry without wildcards"))
@@ -365,7 +402,7 @@ def _dump(machines: dict[str, Machine]) -> str:
     defaults = {f.name: f.default for f in fields(Machine)}
     for name, m in machines.items():
         entry: dict[str, Any] = {"address": m.address, "user": m.user, "port": m.port}
-        for f in ("key", "testbed", "underlay_iface", "proxy_command"):
+        for f in ("key", "testbed", "underlay_iface", "proxy_command", "host_key_check", "known_hosts"):
             if getattr(m, f) != defaults[f]:
                 entry[f] = getattr(m, f)
         out[name] = entry

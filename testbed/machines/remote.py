@@ -5,8 +5,16 @@ transfer (SFTP) and process (`start`) goes over it. `connect_all(inventory)` ope
 
 Errors are `RemoteError`s; the message always names the machine and its address
 (`m2 (192.0.2.12:22): unreachable: [Errno 113] No route to host`), and `kind` says what went wrong:
-`unreachable`, `authentication`, `ssh` (the SSH handshake failed otherwise), `not-root`, `testbed-missing`,
-`version`, `command` (a command exited non-zero), `timeout`, `file` (an SFTP operation failed).
+`unreachable`, `authentication`, `host-key` (the machine's host key is unknown, changed or revoked), `ssh` (the
+SSH handshake failed otherwise), `not-root`, `testbed-missing`, `version`, `command` (a command exited non-zero),
+`timeout`, `file` (an SFTP operation failed).
+
+Host keys are checked as OpenSSH checks them (docs/machines.md, "Host keys"): against the machine's
+`known_hosts` file (default ~/.ssh/known_hosts) and /etc/ssh/ssh_known_hosts, by the name OpenSSH looks up
+(`ADDRESS`, or `[ADDRESS]:PORT` off port 22; plain, hashed and wildcard entries; `@revoked` honoured,
+`@cert-authority` lines not used). The inventory's `host_key_check` says what an unknown key does: refused
+(true, the default), recorded in the known_hosts file (accept-new); a changed key is refused by both; false
+checks nothing and records nothing.
 
 Commands go through the remote login shell, as with `ssh host CMD`: an argv list is quoted with shlex.join,
 environment variables are put on the command line (`env K=V ... CMD`; sshd usually refuses paramiko's
@@ -15,6 +23,9 @@ set_environment_variable).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import fcntl
 import logging
 import os
 import re
@@ -33,7 +44,7 @@ from typing import Any
 import paramiko
 
 from testbed import __version__
-from testbed.machines.inventory import Inventory, Machine
+from testbed.machines.inventory import ACCEPT_NEW, Inventory, Machine
 
 # paramiko logs a failed handshake (with a traceback) from its transport thread; the RemoteError says it
 # better. A NullHandler keeps Python's last-resort handler from printing it when logging is not configured.
@@ -105,6 +116,18 @@ class UnreachableError(RemoteError):
 
 class AuthenticationError(RemoteError):
     kind = "authentication"
+
+
+class HostKeyError(RemoteError):
+    """The machine's host key is not known (and may not be recorded), changed, or revoked. `fingerprint`: that
+    of the key the machine offered (`SHA256:...`, as OpenSSH prints it); `problem`: unknown, changed, revoked
+    or record (it could not be written to the known_hosts file)."""
+
+    kind = "host-key"
+
+    def __init__(self, machine: Machine | str, detail: str, *, fingerprint: str = "", problem: str = "", **kw):
+        super().__init__(machine, detail, **kw)
+        self.fingerprint, self.problem = fingerprint, problem
 
 
 class NotRootError(RemoteError):
@@ -273,20 +296,21 @@ class Remote:
         except OSError as e:
             raise UnreachableError(machine, _oserror(e, timeout)) from None
         client = paramiko.SSHClient()
-        # Lab machines: host keys are not checked (nor written to known_hosts). Test and lab machines are
-        # recreated often with new host keys at the same addresses (`vagrant destroy && vagrant up`, fresh
-        # namespaces in the tests), and the testbed runs on a lab network it trusts; a strict policy would only
-        # make every rebuild fail. Do not point the testbed at machines over a network you do not trust.
-        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        # paramiko is given no keys: its policy is asked about every key, and HostKeyPolicy checks it as OpenSSH
+        # would; the transport prefers the key types known_hosts lists for the machine, as OpenSSH does.
+        policy = HostKeyPolicy(machine)
+        client.set_missing_host_key_policy(policy)
         try:
             client.connect(machine.address, port=machine.port, username=machine.user, pkey=pkey,
                            sock=sock, timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
                            channel_timeout=timeout, allow_agent=machine.key is None,
-                           look_for_keys=machine.key is None)
+                           look_for_keys=machine.key is None, transport_factory=policy.transport)
         except BaseException as e:
             client.close()
             sock.close()
             proxy_err = _stop_proxy(proxy, errlog)
+            if isinstance(e, HostKeyError):
+                raise e from None
             if isinstance(e, paramiko.AuthenticationException):
                 how = f"key {machine.key}" if machine.key else "the SSH agent's keys and ~/.ssh/id_* (no `key:` given)"
                 raise AuthenticationError(machine, f"user {machine.user} with {how} was refused: {e}") from None
@@ -566,6 +590,181 @@ def connect_all(inventory: Inventory, names: list[str] | None = None,
                 f"  {e.machine} ({e.address}): {e.kind}: {e.detail}" for e in errors)
         raise first
     return remotes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host keys.
+
+USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
+SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
+_RECORD_LOCK = threading.Lock()
+
+
+def host_key_name(address: str, port: int) -> str:
+    """The name OpenSSH looks a host key up by: the address, `[ADDRESS]:PORT` off port 22."""
+    return address if port == 22 else f"[{address}]:{port}"
+
+
+def known_hosts_line(address: str, port: int, pubkey: str | os.PathLike) -> str:
+    """The known_hosts line of the host key in the public key file `pubkey` (`NAME TYPE BASE64`)."""
+    with open(pubkey) as f:
+        words = f.read().split()
+    if len(words) < 2:
+        raise ValueError(f"{os.fspath(pubkey)} is not a public key file")
+    return f"{host_key_name(address, port)} {words[0]} {words[1]}\n"
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """`SHA256:...` (unpadded base64 of the key blob's SHA-256), as `ssh-keygen -l` and ssh print it."""
+    return key.fingerprint
+
+
+@dataclass(frozen=True)
+class KnownHost:
+    """One known_hosts line that names a host: where it is, its marker (`@revoked`, `@cert-authority` or
+    None) and its key."""
+
+    file: str
+    line: int
+    marker: str | None
+    key: paramiko.PKey
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def describe(self) -> str:
+        return f"{self.key.get_name()} {fingerprint(self.key)}"
+
+
+def _pattern_matches(pattern: str, name: str) -> bool:
+    """An OpenSSH host pattern (`*` and `?` wildcards; `[`, `]` literal) against a name, case-insensitively."""
+    rx = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern.lower())
+    return re.fullmatch(rx, name.lower()) is not None
+
+
+def _names_match(field: str, name: str) -> bool:
+    """Whether a known_hosts line's host field (hashed `|1|SALT|HASH`, or comma-separated patterns, `!` negating)
+    names `name`."""
+    if field.startswith("|1|"):
+        try:
+            return paramiko.HostKeys.hash_host(name, field) == field
+        except (binascii.Error, ValueError, IndexError):
+            return False
+    matched = False
+    for pattern in field.split(","):
+        if pattern.startswith("!"):
+            if _pattern_matches(pattern[1:], name):
+                return False
+        elif _pattern_matches(pattern, name):
+            matched = True
+    return matched
+
+
+def known_hosts_entries(path: str, name: str) -> list[KnownHost]:
+    """The lines of the known_hosts file `path` that name host `name` (none when the file does not exist or
+    cannot be read; lines paramiko cannot parse, or of unknown key types, are skipped, as ssh skips them)."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return []
+    out = []
+    for no, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        marker = None
+        if words[0].startswith("@"):
+            marker, words = words[0], words[1:]
+        if len(words) < 3 or not _names_match(words[0], name):
+            continue
+        try:
+            key = paramiko.PKey.from_type_string(words[1], base64.b64decode(words[2], validate=True))
+        except (paramiko.SSHException, paramiko.pkey.UnknownKeyType, binascii.Error, ValueError, TypeError):
+            continue
+        out.append(KnownHost(path, no, marker, key))
+    return out
+
+
+def _algorithms(key_type: str) -> list[str]:
+    """The host key algorithms of a key type (an RSA key signs with rsa-sha2-512/256)."""
+    return ["rsa-sha2-512", "rsa-sha2-256", "ssh-rsa"] if key_type == "ssh-rsa" else [key_type]
+
+
+class HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    """A machine's host key check (its inventory's `host_key_check` and `known_hosts`). paramiko, given no
+    keys, asks `missing_host_key` about every key; it raises HostKeyError for an unknown (with
+    host_key_check true), changed or revoked key and records an unknown one (accept-new)."""
+
+    def __init__(self, machine: Machine):
+        self.machine = machine
+        self.mode = machine.host_key_check
+        self.name = host_key_name(machine.address, machine.port)
+        self.user_file = os.path.expanduser(machine.known_hosts or USER_KNOWN_HOSTS)
+        self.files = [self.user_file, SYSTEM_KNOWN_HOSTS] if self.mode is not False else []
+        self.entries = [e for f in self.files for e in known_hosts_entries(f, self.name)]
+
+    def transport(self, sock, **kw) -> paramiko.Transport:
+        """paramiko's transport, preferring the host key algorithms of the keys known for the machine."""
+        t = paramiko.Transport(sock, **kw)
+        known = [a for e in self.entries if e.marker is None for a in _algorithms(e.key.get_name())]
+        if known:
+            opts = t.get_security_options()
+            first = [a for a in dict.fromkeys(known) if a in opts.key_types]
+            opts.key_types = first + [a for a in opts.key_types if a not in first]
+        return t
+
+    def missing_host_key(self, client, hostname: str, key: paramiko.PKey) -> None:
+        if self.mode is False:
+            return
+        offered = f"{key.get_name()} {fingerprint(key)}"
+        fp = fingerprint(key)
+        for e in self.entries:
+            if e.marker == "@revoked" and e.key == key:
+                raise HostKeyError(self.machine, f"host key {offered} is marked @revoked in {e.where}: refused",
+                                   fingerprint=fp, problem="revoked")
+        plain = [e for e in self.entries if e.marker is None]
+        if any(e.key == key for e in plain):
+            return
+        if plain:
+            old = next((e for e in plain if e.key.get_name() == key.get_name()), plain[0])
+            raise HostKeyError(
+                self.machine,
+                f"HOST KEY CHANGED: the machine offers {offered}, but {old.where} lists {old.describe()} for "
+                f"{self.name}. Someone may be intercepting the connection, or the machine was rebuilt with a new "
+                f"key. If you know it was rebuilt, remove the old key (`ssh-keygen -R {shlex.quote(self.name)} -f "
+                f"{shlex.quote(old.file)}`) and connect again; for machines rebuilt often, set `host_key_check: "
+                "false` for it in the inventory", fingerprint=fp, problem="changed")
+        if self.mode == ACCEPT_NEW:
+            self._record(key, fp)
+            return
+        ca = (" (host certificates, @cert-authority lines, are not supported)"
+              if any(e.marker == "@cert-authority" for e in self.entries) else "")
+        raise HostKeyError(
+            self.machine,
+            f"unknown host key {offered}: no known_hosts file lists a key for {self.name} (read: "
+            f"{', '.join(self.files)}){ca}. Check the fingerprint on the machine (`ssh-keygen -lf "
+            f"/etc/ssh/ssh_host_{key.get_name().removeprefix('ssh-').split('-')[0]}_key.pub`), then add the "
+            f"line `{self.name} {key.get_name()} {key.get_base64()}` to {self.user_file}, or set "
+            "`host_key_check: accept-new` for the machine in the inventory to record it at the first connection",
+            fingerprint=fp, problem="unknown")
+
+    def _record(self, key: paramiko.PKey, fp: str) -> None:
+        """Append the key to the known_hosts file (its directory made, mode 0700, if missing)."""
+        line = f"{self.name} {key.get_name()} {key.get_base64()}\n"
+        try:
+            with _RECORD_LOCK:
+                parent = os.path.dirname(self.user_file)
+                if parent and not os.path.isdir(parent):
+                    os.makedirs(parent, mode=0o700)
+                with open(self.user_file, "a") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX)  # other controllers appending at the same time
+                    f.write(line)
+        except OSError as e:
+            raise HostKeyError(self.machine, f"cannot record host key {key.get_name()} {fp} in {self.user_file} "
+                                             f"(host_key_check: accept-new): {e.strerror or e}",
+                               fingerprint=fp, problem="record") from None
 
 
 # ----------------------------------------------------------------------------------------------------------

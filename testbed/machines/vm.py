@@ -65,7 +65,7 @@ from typing import Callable, Iterator, Sequence
 
 from testbed import nsutil, procs
 from testbed.machines.inventory import Inventory, Machine, parse_inventory
-from testbed.machines.remote import RELAY
+from testbed.machines.remote import RELAY, known_hosts_line
 
 # ----------------------------------------------------------------------------------------------------------
 # The recipe.
@@ -180,7 +180,7 @@ _counter = itertools.count()
 Log = Callable[[str], None]
 
 
-def _quiet(_msg: str) -> None:
+def quiet(_msg: str) -> None:
     pass
 
 
@@ -223,7 +223,7 @@ class Image:
 
 
 def build_image(cache: str | os.PathLike | None = None, *, suite: str = SUITE, mirror: str | None = None,
-                extra_packages: Sequence[str] = (), rebuild: bool = False, log: Log = _quiet) -> Image:
+                extra_packages: Sequence[str] = (), rebuild: bool = False, log: Log = quiet) -> Image:
     """The image of the recipe, from `cache` (default cache_root()) or built there first (minutes: Debian's
     packages are downloaded from `mirror`, default $TESTBED_VM_MIRROR or deb.debian.org). Concurrent builds of
     one recipe wait for each other (a lock file); a failed build leaves nothing behind."""
@@ -247,7 +247,7 @@ def build_image(cache: str | os.PathLike | None = None, *, suite: str = SUITE, m
             log(f"image {dest} (cached)")
             return Image.load(dest)
         for stale in root.glob(f".{key}.build-*"):  # of a build that was killed
-            _rm_tree(stale)
+            rm_tree(stale)
         work = root / f".{key}.build-{os.getpid()}"
         work.mkdir()
         t0 = time.monotonic()
@@ -258,13 +258,16 @@ def build_image(cache: str | os.PathLike | None = None, *, suite: str = SUITE, m
             (work / "image.json").write_text(json.dumps(info, indent=1))
             os.rename(work, dest)
         finally:
-            _rm_tree(work)
+            rm_tree(work)
         log(f"image {dest} built in {time.monotonic() - t0:.0f} s")
         return Image.load(dest)
 
 
-def _build(work: Path, r: dict, key: str, suite: str, mirror: str, debs: Path, log: Log) -> None:
-    rootfs = work / "rootfs"
+def debootstrap_rootfs(rootfs: Path, suite: str, mirror: str, debs: Path, include: Sequence[str],
+                       packages: Sequence[str], log: Log = quiet) -> None:
+    """`debootstrap --variant=minbase` of `suite` into `rootfs` with `include`, then `packages` installed by apt
+    in the chroot (services kept from starting), both in a mount and pid namespace of their own; downloaded
+    packages kept in `debs` for the next build. The chroot's resolv.conf is this machine's (replace it)."""
     debs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"}
     env.pop("TMPDIR", None)
@@ -272,8 +275,8 @@ def _build(work: Path, r: dict, key: str, suite: str, mirror: str, debs: Path, l
     log(f"debootstrap {suite} (minbase) into {rootfs}")
     # In a mount namespace of its own (the proc and sys it mounts in the target vanish with it, whatever
     # happens) and a pid namespace (nothing it starts outlives it).
-    _check_run(["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
-                "debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+    check_run(["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
+                "debootstrap", "--variant=minbase", f"--include={','.join(include)}",
                 f"--cache-dir={debs}", suite, str(rootfs), mirror], "debootstrap", env=env)
     log(f"debootstrap: {time.monotonic() - t:.0f} s")
 
@@ -286,27 +289,21 @@ def _build(work: Path, r: dict, key: str, suite: str, mirror: str, debs: Path, l
     policy.write_text("#!/bin/sh\nexit 101\n")  # no service starts in the chroot
     policy.chmod(0o755)
     archives = rootfs / "var/cache/apt/archives"
-    packages = " ".join([*KERNEL_PACKAGES, *r["server"]])
     # proc for the kernel's and initramfs-tools' scripts; the package cache bound in for the next build
     (debs / "partial").mkdir(exist_ok=True)
     script = (f"mount -t proc proc {rootfs}/proc && mount --bind {debs} {archives} && "
               f"chroot {rootfs} apt-get -q update && "
-              f"chroot {rootfs} apt-get -q -y install --no-install-recommends -o Dpkg::Use-Pty=0 {packages}")
-    _check_run(["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
+              f"chroot {rootfs} apt-get -q -y install --no-install-recommends -o Dpkg::Use-Pty=0 {' '.join(packages)}")
+    check_run(["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
                 "sh", "-c", script], "apt-get install in the chroot", env=env)
     policy.unlink()
-    log(f"kernel and sshd: {time.monotonic() - t:.0f} s")
+    log(f"packages: {time.monotonic() - t:.0f} s")
 
-    # configuration
-    (rootfs / "sbin/testbed-init").write_text(GUEST_INIT)
-    (rootfs / "sbin/testbed-init").chmod(0o755)
-    (rootfs / "etc/testbed").mkdir(exist_ok=True)
-    (rootfs / "etc/testbed/sshd_config").write_text(GUEST_SSHD_CONFIG)
-    for k in (rootfs / "etc/ssh").glob("ssh_host_*"):
-        k.unlink()  # each boot brings its own
-    (rootfs / "etc/hostname").write_text("testbed-vm\n")
-    (rootfs / "etc/resolv.conf").unlink(missing_ok=True)
-    (rootfs / "etc/resolv.conf").write_text("")  # the VMs have no DNS server
+
+def rootfs_to_disk(rootfs: Path, work: Path, log: Log = quiet) -> tuple[str, int, int]:
+    """Trim `rootfs` (apt lists and caches, docs), copy its kernel and initrd to work/vmlinuz and
+    work/initrd.img, and write it into the ext4 image work/disk.raw (label testbed-root, room to spare).
+    Returns (kernel release, MB used, MB of the disk)."""
     for d in ("var/lib/apt/lists", "var/cache/apt/archives", "usr/share/doc", "usr/share/man", "usr/share/info"):
         p = rootfs / d
         if p.is_dir() and not p.is_symlink():
@@ -330,19 +327,37 @@ def _build(work: Path, r: dict, key: str, suite: str, mirror: str, debs: Path, l
     used = int(subprocess.run(["du", "-sxm", str(rootfs)], capture_output=True, text=True, check=True)
                .stdout.split()[0])
     size_mb = used + max(512, used // 2)  # free space for what the VMs write (into their snapshot overlay)
-    _check_run(["mkfs.ext4", "-q", "-F", "-L", "testbed-root", "-d", str(rootfs), "-E", "root_owner=0:0",
+    check_run(["mkfs.ext4", "-q", "-F", "-L", "testbed-root", "-d", str(rootfs), "-E", "root_owner=0:0",
                 str(work / "disk.raw"), f"{size_mb}M"], "mkfs.ext4")
     log(f"disk image ({used} MB used of {size_mb} MB): {time.monotonic() - t:.0f} s")
+    return release, used, size_mb
+
+
+def _build(work: Path, r: dict, key: str, suite: str, mirror: str, debs: Path, log: Log) -> None:
+    rootfs = work / "rootfs"
+    debootstrap_rootfs(rootfs, suite, mirror, debs, BASE_PACKAGES, [*KERNEL_PACKAGES, *r["server"]], log)
+
+    # configuration
+    (rootfs / "sbin/testbed-init").write_text(GUEST_INIT)
+    (rootfs / "sbin/testbed-init").chmod(0o755)
+    (rootfs / "etc/testbed").mkdir(exist_ok=True)
+    (rootfs / "etc/testbed/sshd_config").write_text(GUEST_SSHD_CONFIG)
+    for k in (rootfs / "etc/ssh").glob("ssh_host_*"):
+        k.unlink()  # each boot brings its own
+    (rootfs / "etc/hostname").write_text("testbed-vm\n")
+    (rootfs / "etc/resolv.conf").unlink(missing_ok=True)
+    (rootfs / "etc/resolv.conf").write_text("")  # the VMs have no DNS server
+    release, used, size_mb = rootfs_to_disk(rootfs, work, log)
     versions = subprocess.run(["chroot", str(rootfs), "dpkg-query", "-W", "-f", "${Package} ${Version}\n"],
                               capture_output=True, text=True).stdout
     (work / "packages.txt").write_text(versions)
-    _rm_tree(rootfs)
+    rm_tree(rootfs)
     (work / "image.json").write_text(json.dumps({"key": key, "suite": suite, "kernel_release": release,
                                                  "mirror": mirror, "recipe": r, "rootfs_mb": used,
                                                  "disk_mb": size_mb, "built_at": time.time()}, indent=1))
 
 
-def _check_run(argv: list[str], what: str, **kw) -> None:
+def check_run(argv: list[str], what: str, **kw) -> None:
     r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, **kw)
     if r.returncode != 0:
         out = (r.stdout + r.stderr).strip()
@@ -360,7 +375,7 @@ def _mounts_under(path: Path) -> list[str]:
     return out
 
 
-def _rm_tree(path: Path) -> None:
+def rm_tree(path: Path) -> None:
     """rm -rf, but never through a mount point (a bound /dev or /proc in a rootfs would be emptied)."""
     if not path.exists():
         return
@@ -377,7 +392,7 @@ _accel_lock = threading.Lock()
 _accel_choice: str | None = None
 
 
-def accel(image: Image | None = None, log: Log = _quiet) -> str:
+def accel(image: Image | None = None, log: Log = quiet) -> str:
     """`kvm` or `tcg`: $TESTBED_VM_ACCEL when it is `kvm` or `tcg`; else (`auto`) KVM if a probe boot works
     (decided once per process)."""
     global _accel_choice
@@ -399,7 +414,7 @@ def _forget_kvm() -> None:
         _accel_choice = "tcg"
 
 
-def kvm_works(image: Image | None = None, log: Log = _quiet, timeout: float = KVM_PROBE_TIMEOUT_S) -> bool:
+def kvm_works(image: Image | None = None, log: Log = quiet, timeout: float = KVM_PROBE_TIMEOUT_S) -> bool:
     """Whether a KVM guest boots here: /dev/kvm opens, and the image's kernel (without initrd or root: it
     panics at once) gets to its panic under KVM within `timeout` seconds."""
     try:
@@ -457,7 +472,8 @@ def _keygen(path: Path, comment: str) -> None:
 
 class VMNetwork:
     """The VMs' network: namespace `tbv<TAG>-ul` with bridge br0 (192.0.2.1/24) and a tap per VM, a client
-    key for the VMs' root, and the relay the proxy command runs. `close()` kills every process in the
+    key for the VMs' root, a known_hosts file with every VM's host key (the inventory's `known_hosts:`), and
+    the relay the proxy command runs. `close()` kills every process in the
     namespace (qemu included), deletes it and the directory."""
 
     def __init__(self, tag: str | None = None):
@@ -467,6 +483,7 @@ class VMNetwork:
         self.netns = f"tbv{self.tag}-ul"
         self.dir: Path | None = None
         self.key: Path | None = None
+        self.known_hosts: Path | None = None
         self._taps = 0
         self._lock = threading.Lock()
 
@@ -485,6 +502,8 @@ class VMNetwork:
         try:
             self.key = self.dir / "client_key"
             _keygen(self.key, "testbed-vm-client")
+            self.known_hosts = self.dir / "known_hosts"
+            self.known_hosts.write_text("")
             (self.dir / "relay.py").write_text(RELAY)
             _ip("netns", "add", self.netns)
             self.exec("sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
@@ -503,6 +522,12 @@ class VMNetwork:
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} in {self.netns}: {r.stderr.strip()}")
         return r.stdout
+
+    def add_host_key(self, address: str, pubkey: Path) -> None:
+        """List a VM's host key in the network's known_hosts file."""
+        with self._lock:
+            with open(self.known_hosts, "a") as f:
+                f.write(known_hosts_line(address, 22, pubkey))
 
     def add_tap(self) -> str:
         with self._lock:
@@ -596,6 +621,7 @@ class VM:
         (cfg / "shares").write_text("".join(f"s{i} {p}\n" for i, p in enumerate(self.shares)))
         if not (cfg / "ssh_host_ed25519_key").exists():
             _keygen(cfg / "ssh_host_ed25519_key", f"testbed-vm-{self.name}")
+            self.network.add_host_key(self.address, cfg / "ssh_host_ed25519_key.pub")
         shutil.copy(f"{self.network.key}.pub", cfg / "authorized_keys")
         return cfg
 
@@ -703,7 +729,7 @@ class VM:
         """This VM as an inventory entry."""
         return Machine(name=self.name, address=self.address, user="root", port=22, key=str(self.network.key),
                        testbed=testbed_cmd or guest_testbed(), underlay_iface=GUEST_IFACE,
-                       proxy_command=self.network.proxy_command)
+                       proxy_command=self.network.proxy_command, known_hosts=str(self.network.known_hosts))
 
     def ssh(self, timeout: float = 10.0):
         """A testbed.machines.remote.Remote connected to it (a context manager)."""
@@ -714,7 +740,7 @@ class VM:
 
 def boot(image: Image, name: str, network: VMNetwork, address: str | None = None, mem_mb: int = DEFAULT_MEM_MB,
          cpus: int = DEFAULT_CPUS, shares: Sequence[str] | None = None, accel_mode: str | None = None,
-         wait: bool = True, timeout: float = BOOT_TIMEOUT_S, log: Log = _quiet) -> VM:
+         wait: bool = True, timeout: float = BOOT_TIMEOUT_S, log: Log = quiet) -> VM:
     """Boot one VM on `network` (address default: the next free 192.0.2.(21+i)); with `wait`, until its sshd
     answers. `shares`: host directories shared read-only at the same paths (default testbed_shares()). A KVM
     boot that is not ready in time is retried once under TCG (and TCG is used from then on)."""
@@ -752,7 +778,7 @@ def _wait(vm: VM, timeout: float, log: Log) -> None:
 @contextmanager
 def vms(n: int, image: Image | None = None, *, mem_mb: int = DEFAULT_MEM_MB, cpus: int = DEFAULT_CPUS,
         shares: Sequence[str] | None = None, tag: str | None = None, timeout: float = BOOT_TIMEOUT_S,
-        log: Log = _quiet) -> Iterator[list[VM]]:
+        log: Log = quiet) -> Iterator[list[VM]]:
     """`n` VMs `m1` ... `mN` on one new VMNetwork, booted together; on exit (even on failure) every qemu is
     killed, the namespace deleted and every directory removed (RuntimeError if something could not be)."""
     if not 1 <= n <= 200:
