@@ -14,6 +14,17 @@ PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 APT_PACKAGES := iproute2 iptables ethtool iperf3 iputils-ping tcpdump util-linux procps kmod openssh-server vagrant \
 	clang libbpf-dev bpftool
 PYTEST_ARGS ?=
+# The shell's $missing packages installed from Debian, none of their services started (a policy-rc.d while apt
+# runs, unless the host has one): one install step for every *-deps target.
+define install_missing
+if [ -n "$$missing" ]; then \
+  echo "installing system packages:$$missing"; \
+  noservice=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+    chmod +x /usr/sbin/policy-rc.d; noservice=1; }; \
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+  rc=$$?; [ -z "$$noservice" ] || rm -f /usr/sbin/policy-rc.d; [ $$rc -eq 0 ] || exit $$rc; \
+fi
+endef
 # The Slurm tests (tests/test_slurm.py: a two-node cluster made of Debian's slurm-wlm and munge on this host;
 # acl: a traverse-only ACL lets `nobody` reach the venv's interpreter where it lies under /root). No service of
 # theirs is started (policy-rc.d); Slurm is only needed for `testbed run --executor slurm` and its tests.
@@ -34,13 +45,7 @@ system-deps:
 	for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	$(PYTHON) -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 	  || missing="$$missing python3 python3-venv python3-pip"; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing system packages:$$missing"; \
-	  noservice=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
-	    chmod +x /usr/sbin/policy-rc.d; noservice=1; }; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
-	  rc=$$?; [ -z "$$noservice" ] || rm -f /usr/sbin/policy-rc.d; [ $$rc -eq 0 ] || exit $$rc; \
-	fi; \
+	$(install_missing); \
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 	  echo "testbed needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). Use e.g. make PYTHON=python3.11" >&2; exit 1; }
 
@@ -53,13 +58,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 slurm-deps:
 	@missing=""; for p in $(SLURM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing system packages:$$missing"; \
-	  noservice=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
-	    chmod +x /usr/sbin/policy-rc.d; noservice=1; }; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
-	  rc=$$?; [ -z "$$noservice" ] || rm -f /usr/sbin/policy-rc.d; [ $$rc -eq 0 ] || exit $$rc; \
-	fi
+	$(install_missing)
 
 # A Docker engine for the docker runtime (and its tests): Debian's docker.io and a dockerd that never touches
 # the host's network (containers/ensure-docker.sh). Without one, the docker tests are skipped with a reason.
@@ -90,8 +89,7 @@ test-all: deps docker-engine slurm-deps
 VM_PACKAGES := qemu-system-x86 debootstrap e2fsprogs debian-archive-keyring
 vm-deps:
 	@missing=""; for p in $(VM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then echo "installing system packages:$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+	$(install_missing)
 
 test-vm: deps vm-deps
 	$(PY) -m pytest -q -rA -m vm $(PYTEST_ARGS) tests/test_vms.py
@@ -103,11 +101,7 @@ VAGRANT_PACKAGES := $(VM_PACKAGES) qemu-utils libvirt-daemon-system libvirt-daem
 	dnsmasq-base vagrant vagrant-libvirt rsync
 vagrant-deps:
 	@missing=""; for p in $(VAGRANT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then echo "installing system packages:$$missing"; \
-	  noservice=; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
-	    chmod +x /usr/sbin/policy-rc.d; noservice=1; }; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
-	  rc=$$?; [ -z "$$noservice" ] || rm -f /usr/sbin/policy-rc.d; [ $$rc -eq 0 ] || exit $$rc; fi
+	$(install_missing)
 
 vagrant-box: deps vagrant-deps
 	$(PY) -m testbed.machines.vagrantbox build --add
