@@ -63,7 +63,7 @@ def hashes(run_dir) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["ddp", "pp"])
+@pytest.mark.parametrize("mode", ["ddp", pytest.param("pp", marks=pytest.mark.slow)])  # pp: make test-all (time)
 def test_perturb_controls_at_ber_0_are_reproducible_and_minimal(pair, tmp_path, mode):
     """The chaos-floor controls (--perturb, docs/training.md) on real gloo across pair at BER 0: each control run
     twice gives the same parameters at every step; weight-lsb changes the parameters of the ranks holding the
