@@ -231,14 +231,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 p.wait()
         # job steps (slurmstepd and what it ran) may outlive slurmd: nothing of the cluster keeps running
         for ns in sorted(self.namespaces(), key=lambda s: (s.startswith(f"{self.prefix}-"), s)):
-            path = str(NETNS_DIR / ns)
             try:
-                nsutil.kill_processes_in_netns(path, grace_s=2.0)
+                nsutil.remove_netns(ns)  # its processes killed first
             except Exception as e:  # noqa: BLE001 - keep cleaning
-                problems.append(f"killing processes in {ns}: {e}")
-            r = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
-            if r.returncode:
-                problems.append(f"ip netns del {ns}: {r.stderr.strip()}")
+                problems.append(f"removing namespace {ns}: {e}")
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.namespaces():
             problems.append(f"namespaces left: {self.namespaces()}")

@@ -30,7 +30,6 @@ libvirt-daemon-driver-qemu, libvirt-clients, dnsmasq-base, vagrant and vagrant-l
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -134,7 +133,7 @@ def build_box(cache: str | os.PathLike | None = None, *, mirror: str | None = No
     root = (Path(cache) if cache is not None else box_cache_root()).resolve()
     root.mkdir(parents=True, exist_ok=True)
     r = box_recipe()
-    key = hashlib.sha256(json.dumps(r, sort_keys=True).encode()).hexdigest()[:16]
+    key = vm.recipe_key(r)
     dest = root / f"{vm.SUITE}-{key}"
     mirror = mirror or os.environ.get("TESTBED_VM_MIRROR") or vm.DEFAULT_MIRROR
     with open(root / f".{key}.lock", "w") as lock:
