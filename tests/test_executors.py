@@ -16,12 +16,12 @@ from testbed.topology.yamlfile import InputError
 from testbed.experiments.cli import resources_of
 from testbed.experiments.executors import slurm_parameters
 from testbed.experiments.spec import Experiment, ResourcesSpec
+from testbed.analysis.results import TIMING_FIELDS
 from testbed.train.fingerprint import bit_identical
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIR = ROOT / "topologies" / "pair.yaml"
-WHERE = {"step_time_curve", "median_step_time_s", "median_comm_time_s", "wall_time_s", "finished_at", "machine",
-         "topology", "phase_times_s"}
+WHERE = {*TIMING_FIELDS, "machine", "topology"}
 
 
 def experiment(d: Path, extra: str = "", recipes: str = "wire, process") -> Path:

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from slurmcluster import slurm_cluster, available
+from testbed.analysis.results import TIMING_FIELDS
 from testbed.train.fingerprint import bit_identical
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIR = ROOT / "topologies" / "pair.yaml"
 # what differs between two runs of one point by design: timing, and where it ran (the machine; the name its
 # topology was brought up under holds the pid of the process that ran it)
-TIMING = {"step_time_curve", "median_step_time_s", "median_comm_time_s", "wall_time_s", "finished_at", "machine",
-          "topology", "phase_times_s"}
+TIMING = {*TIMING_FIELDS, "machine", "topology"}
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"slurm test cluster: {available()}")
 

@@ -185,6 +185,10 @@ FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 ROW_FIELDS = tuple(f.name for f in FIELDS)
 ERROR_ROW_FIELDS = tuple(f.name for f in FIELDS if f.in_error_row)
 SUMMARY_COLUMNS = tuple(f.name for f in FIELDS if f.scalar)  # summary.csv, in this order
+# what differs between two runs of one point by design (clocks), so comparisons of runs leave it out
+TIMING_FIELDS = ("step_time_curve", "median_step_time_s", "median_comm_time_s", "wall_time_s", "phase_times_s",
+                 "finished_at")
+assert set(TIMING_FIELDS) <= set(FIELDS_BY_NAME), set(TIMING_FIELDS) - set(FIELDS_BY_NAME)
 
 
 def field_names(*names: str) -> tuple[str, ...]:
