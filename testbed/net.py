@@ -370,13 +370,15 @@ class LocalWorkers(Workers):
             self.facts["run_dir"] = str(self.out)
 
 
-def text_table(rows: list[list], header: list[str]) -> str:
-    """Rows under a header, columns aligned, a rule below the header."""
+def text_table(rows: list[list], header: list[str], right: bool = False) -> str:
+    """Rows under a header, columns aligned, a rule below the header; `right`: every column but the first
+    right-aligned (tables of numbers)."""
     rows = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     out = []
     for k, r in enumerate(rows):
-        out.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+        out.append("  ".join(c.rjust(widths[i]) if right and i else c.ljust(widths[i])
+                             for i, c in enumerate(r)).rstrip())
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)

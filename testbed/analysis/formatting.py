@@ -83,3 +83,9 @@ def config_label(config: tuple, all_configs: list[tuple]) -> str:
     if len({c[3] for c in all_configs if len(c) > 3}) > 1:
         label += f" {recipe}"
     return label
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines: header, rule, one line per row."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |"
+                                                                            for r in rows]

@@ -56,6 +56,7 @@ from testbed.base import BaseTestbed
 from testbed.errors import EXIT_CAPABILITY, EXIT_INPUT, CliError
 from testbed.engine.counters import counter_delta
 from testbed.engine.registry import engine_choices
+from testbed.net import text_table
 from testbed.runtime.base import RuntimeUnavailable, runtime_names
 from testbed.state import write_json_atomic
 from testbed.topology.topo import Link, Topology, TopologyError
@@ -221,17 +222,6 @@ def _stop(p: subprocess.Popen) -> None:
         p.communicate(timeout=10)
     except (subprocess.TimeoutExpired, ValueError):
         pass
-
-
-def _fmt_table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [header] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = []
-    for k, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _g(x, fmt: str = ".1f") -> str:
@@ -457,14 +447,14 @@ def latency_table(doc: dict) -> str:
             + (f"engine {doc['engine']}, " if doc.get("engine") else "") +
             f"{doc['size']} B messages x {doc['count']} round trips" +
             (f" x {doc['repeat']} repeats (pooled)" if doc.get("repeat", 1) > 1 else ""), "",
-            _fmt_table(rows, head)]
+            text_table(rows, head, right=True)]
     if doc.get("headline"):
         text += ["", "retransmission (keep) vs delivered errors (fix):"]
         hrows = [[f"{h['ber']:g}", _g(h["p50_ratio"], ".2f"), _g(h["p99_ratio"], ".2f"), _g(h["mean_ratio"], ".2f"),
                   _g(h["keep_minus_fix_mean_us"]), _g(h.get("keep_vs_keep0_p99_ratio"), ".2f")]
                  for h in doc["headline"]]
-        text.append(_fmt_table(hrows, ["BER", "keep/fix p50", "keep/fix p99", "keep/fix mean",
-                                       "keep-fix mean us", "keep/keep@0 p99"]))
+        text.append(text_table(hrows, ["BER", "keep/fix p50", "keep/fix p99", "keep/fix mean", "keep-fix mean us",
+                                       "keep/keep@0 p99"], right=True))
     return "\n".join(text)
 
 
@@ -613,7 +603,8 @@ def collective_table(doc: dict) -> str:
                      _g(sr.get("busbw_GBps"), ".3f")])
     ber = f", ber {doc['ber']:g} {doc['scope']}" if doc.get("ber") is not None else ""
     text = [f"{doc['topology']} ({doc['runtime']}), {doc['world_size']} ranks over {doc.get('ifname')}{ber}", "",
-            _fmt_table(rows, ["size", "allreduce ms", "algbw GB/s", "busbw GB/s", "sendrecv ms", "busbw GB/s"])]
+            text_table(rows, ["size", "allreduce ms", "algbw GB/s", "busbw GB/s", "sendrecv ms", "busbw GB/s"],
+                       right=True)]
     if doc.get("ber") is not None:
         text.append(f"\nbits flipped {doc['bits_flipped']:,} of {doc['bits_seen']:,} eligible")
     return "\n".join(text)

@@ -35,8 +35,8 @@ from testbed.analysis.analysis import (BOUND_LEVEL, LATENCY_STATS, PUBLISHED_TOL
                                       aggregate, deviation_fits, interval, latency_entries, orderings, point_config,
                                       published_verdict, retransmission_penalties, sum_or_none, theory_comparison,
                                       thresholds, tolerance_of, values_of)
-from testbed.analysis.formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text, mode_name,
-                         status_text)
+from testbed.analysis.formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text,
+                                         md_table, mode_name, status_text)
 from testbed.report.plots import latency_label
 from testbed.analysis.results import (DEFAULT_RECIPE, FIELDS_BY_NAME, MODE_ORDER, SUMMARY_COLUMNS, config_key,
                                      config_sort_key, configs, finite, grid_order, is_ok, positive, recipe_of,
@@ -121,9 +121,7 @@ def write_summary_csv(rows: list[dict], path) -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
-    return "\n".join(lines)
+    return "\n".join(md_table(header, rows))
 
 
 def key_table(agg: list[dict]) -> str:

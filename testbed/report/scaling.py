@@ -10,18 +10,13 @@ import traceback
 from pathlib import Path
 
 from testbed.analysis import scaling
-from testbed.analysis.formatting import ber_text, fmt, mode_name
+from testbed.analysis.formatting import ber_text, fmt, md_table, mode_name
 from testbed.report.plots import plot_lambda_collapse
 
 PLOT_FILE = "lambda_collapse.png"
 PLOT_TITLE = "Lost-step fraction vs λ, every model size"
 
 VERDICT_WORDS = {"agrees": "agrees", "above": "**above**", "below": "**below**", None: "—"}
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |"
-                                                                            for r in rows]
 
 
 def _ci(ci) -> str:
@@ -46,7 +41,7 @@ def lambda_table(cells: list[dict]) -> list[str]:
                      f"{c['lost']}/{c['steps']}", f"{fmt(c['lost_fraction'])} {_ci(c['lost_ci'])}",
                      fmt(c["predicted_lost"]), _count_interval(c["lost_interval"]), forward,
                      VERDICT_WORDS[c["lost_verdict"]], san])
-    return _table(["model", "parameters", "recipe", "mode", "λ", "BER", "injector", "ok runs", "lost / steps",
+    return md_table(["model", "parameters", "recipe", "mode", "λ", "BER", "injector", "ok runs", "lost / steps",
                    "lost fraction (95 % CI)", "predicted", "99 % interval of lost steps", "PP: forward share of λ",
                    "verdict", "sanitized per step: measured / predicted"], rows)
 
@@ -90,7 +85,7 @@ def floor_table(floor: list[dict]) -> list[str]:
                  ("yes" if e2["distinguishable"] else "no") if e2["distinguishable"] is not None else "—"]
                 for e2 in e["ber_runs"]]
         if rows:
-            out += _table(["recipe", "λ", "BER", "runs", "deviation (mean)", "theory (noise_deviation)",
+            out += md_table(["recipe", "λ", "BER", "runs", "deviation (mean)", "theory (noise_deviation)",
                            "smallest run / largest control", "above every control"], rows)
             out.append("")
     return out
@@ -117,7 +112,7 @@ def _floor_sentences(floor: list[dict]) -> list[str]:
 def time_table(times: list[dict]) -> list[str]:
     rows = [[t["model"], mode_name(t["mode"]), str(t["points"]), _dev(t["median_step_time_s"]),
              _dev(t["wall_time_s"]), ", ".join(t["injectors"])] for t in times]
-    return _table(["model", "mode", "points", "median step time (s)", "training wall time, all points (s)",
+    return md_table(["model", "mode", "points", "median step time (s)", "training wall time, all points (s)",
                    "injector"], rows)
 
 
