@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from conftest import running
 from test_training_testbed import cfg, quiet, up
 from testbed.experiments.training import train
 
@@ -34,10 +35,21 @@ def steps_of(run_dir) -> dict:
 
 @pytest.mark.parametrize("mode", ["ddp", "pp"])
 def test_same_seeds_give_the_same_flips_and_parameters_at_every_step(pair, tmp_path, mode):
+    two_runs_agree(pair, tmp_path, mode)
+
+
+@pytest.mark.docker
+def test_docker_hosts_give_the_same_flips_and_parameters_at_every_step(worker_image, load_topology, tmp_path):
+    """The same on container hosts (the runtime changes who owns the namespaces, not the engines' keys)."""
+    with running(load_topology("pair.yaml", ber=0.0, scope="tensor"), runtime="docker") as tb:
+        two_runs_agree(tb, tmp_path, "ddp")
+
+
+def two_runs_agree(tb, tmp_path, mode: str) -> None:
     runs = []
     for k in ("a", "b"):
         # sanitize: the updates happen despite corrupted values, so the parameters depend on where flips land
-        s = train(pair.name, cfg(mode, 5, steps=STEPS, guard="sanitize"), tmp_path / k, ber=BER, scope="tensor",
+        s = train(tb.name, cfg(mode, 5, steps=STEPS, guard="sanitize"), tmp_path / k, ber=BER, scope="tensor",
                   log=quiet)
         assert s["status"] == "ok", s
         assert s["steps_completed"] == STEPS
