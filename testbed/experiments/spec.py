@@ -47,6 +47,7 @@ from testbed.vocab import (CHECKSUM_MODES, DEFAULT_RECIPE, DEFAULT_TOLERANCE, EL
                            PROTECT_FIELDS, SCOPES)
 
 Ber = Annotated[float, BeforeValidator(lambda x: units.parse_probability(x, upper=0.5))]
+BerList = Annotated[list[Ber], Field(min_length=1)]
 
 
 def _tolerance(value) -> float:
@@ -137,6 +138,12 @@ class RecipeSpec(_Strict):
     baseline: Annotated[str, Field(pattern=RECIPE_NAME)] | None = Field(
         default=None, description="a control (train: perturb): the recipe whose clean runs its weight deviation is "
                                   "measured against; a control runs at BER 0 only")
+    ber: BerList | dict[Literal[MODES], BerList] | None = Field(
+        default=None, description="this recipe's BERs instead of grid.ber: one list for every mode, or one per mode "
+                                  "({ddp: [...], pp: [...]}: a threshold grid around each mode's own); the clean "
+                                  "runs (BER 0) are added when missing")
+    seed: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = Field(
+        default=None, description="this recipe's seeds instead of grid.seed (a large model with fewer seeds)")
 
 
 class FaultSpec(_Strict):
@@ -301,6 +308,13 @@ class Experiment:
             elif self.is_control(name) and r.baseline is None:
                 problems.append((f"recipes.{name}.baseline", "a control (train: perturb) must name the recipe it "
                                                              "perturbs, whose clean runs it is compared with"))
+        for name, r in spec.recipes.items():
+            if isinstance(r.ber, dict):
+                problems += [(f"recipes.{name}.ber", f"names no BERs for mode {m}, which the grid runs (give a list "
+                                                     "for every mode, or one per mode of grid.mode)")
+                             for m in spec.grid.mode if m not in r.ber]
+            if r.ber is not None and self.is_control(name):
+                problems.append((f"recipes.{name}.ber", "a control runs at BER 0 only: it takes no BERs"))
         if problems:
             return problems
         if spec.tokens_per_step is not None:
@@ -308,7 +322,6 @@ class Experiment:
                 f"recipes.{n}.train" for n, r in spec.recipes.items() if "batch_size" in r.train.model_fields_set]
             problems += [(f"{w}.batch_size", "tokens_per_step sets the batch size of every mode: set one of them, "
                                              "not both") for w in setters]
-        bers = [b for b in spec.grid.ber if b > 0]
         for name in [None, *dict.fromkeys(spec.grid.recipe)]:  # None: the file's train: alone
             for mode in spec.grid.mode:
                 try:
@@ -341,9 +354,11 @@ class Experiment:
                 if isinstance(bit, int) and bit >= width:
                     problems.append((f"recipes.{name}.link.protect[{i}]",
                                      f"bit {bit} is not a bit of a {element} value (0-{width - 1})"))
+            bers = [b for m in spec.grid.mode for b in self.bers_of(name, m) if b > 0]
             if link.protected_ber and bers and link.protected_ber > min(bers):
                 problems.append((f"recipes.{name}.link.protected_ber",
-                                 f"must not exceed the grid's smallest BER > 0, {min(bers):g} (protected bits err "
+                                 f"must not exceed the {'recipe' if self.recipe(name).ber else 'grid'}'s smallest "
+                                 f"BER > 0, {min(bers):g} (protected bits err "
                                  "at most as often as the line)"))
         return problems
 
@@ -396,6 +411,19 @@ class Experiment:
     def steps_of(self, recipe: str) -> int:
         """The training steps of a recipe's points: the recipe's `steps`, else the file's."""
         return self.recipe(recipe).steps or self.spec.steps
+
+    def bers_of(self, recipe: str, mode: str) -> list[float]:
+        """The BERs a recipe's points run in a mode: the recipe's own `ber` (its list, or its list for the mode),
+        else the grid's `ber` (grid.ber_at_lambda adds to either; the clean runs are added by points())."""
+        own = self.recipe(recipe).ber
+        if own is None:
+            return list(self.spec.grid.ber)
+        return list(own[mode] if isinstance(own, dict) else own)
+
+    def seeds_of(self, recipe: str) -> list[int]:
+        """The seeds of a recipe's points: the recipe's own `seed`, else the grid's."""
+        own = self.recipe(recipe).seed
+        return list(self.spec.grid.seed if own is None else own)
 
     def is_control(self, recipe: str) -> bool:
         """A recipe that perturbs a clean run (train: perturb other than none): it runs at BER 0 only."""
@@ -473,15 +501,17 @@ class Experiment:
     def points(self) -> list[Point]:
         """The grid, with any missing BER-0 baselines added, baselines first (deviation needs them)."""
         g = self.spec.grid
-        pts = [Point(m, b, s, c, seed, r, against=self.recipe(r).baseline) for r, m, b, s, c, seed
-               in itertools.product(g.recipe, g.mode, g.ber, g.scope, g.checksum, g.seed)
+        pts = [Point(m, b, s, c, seed, r, against=self.recipe(r).baseline)
+               for r, m in itertools.product(g.recipe, g.mode)
+               for b, s, c, seed in itertools.product(self.bers_of(r, m), g.scope, g.checksum, self.seeds_of(r))
                if b == 0 or not self.is_control(r)]
         for r, m, lam in itertools.product(g.recipe, g.mode, g.ber_at_lambda or []):
             if self.is_control(r):
                 continue
             b = self.ber_at_lambda(r, m, lam)
-            pts += [Point(m, b, s, c, seed, r, lam) for s, c, seed in itertools.product(g.scope, g.checksum, g.seed)
-                    if b not in g.ber]
+            pts += [Point(m, b, s, c, seed, r, lam)
+                    for s, c, seed in itertools.product(g.scope, g.checksum, self.seeds_of(r))
+                    if b not in self.bers_of(r, m)]
         pts = list(dict.fromkeys(pts))
         base = {p.baseline for p in pts}
 
