@@ -42,7 +42,7 @@ from testbed.train.settings import default_of
 from testbed.vocab import CHECKSUM_MODES, DEFAULT_TOLERANCE
 from testbed.analysis import theory
 from testbed.analysis.formatting import fmt_loss, fmt_signed, status_text
-from testbed.analysis.results import (SETUP_FIELDS, STATUSES, ber_of, config_key, config_of, config_sort_key, configs, finite,
+from testbed.analysis.results import (RECIPE_FIELDS, SETUP_FIELDS, STATUSES, ber_of, config_key, config_of, config_sort_key, configs, finite,
                       is_ok, positive, recipe_of, recipe_settings)
 
 SENSITIVITY_TOLERANCES = (0.005, 0.01, 0.02, 0.05)  # the report's sensitivity table
@@ -383,6 +383,9 @@ def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, train: dic
             result["theory_ber"], result["theory_basis"] = None, result["theory_note"]
         result.update(recipe=points[0]["recipe"], mode=points[0]["mode"], scope=points[0]["scope"],
                       checksum=points[0]["checksum"], steps=setup.get("steps"),
+                      **{k: setup.get(k) for k in ("model", "n_params", "lr", "world_size", "batch_size", "seq_len")},
+                      settings={k: points[0].get(k) for k in RECIPE_FIELDS},
+                      seeds=max((p["n_seeds"] for p in points), default=0),
                       tokens_per_step=next((p["tokens_per_step"] for p in points if p["tokens_per_step"]), None),
                       published_ber=PUBLISHED_TOLERATED_BER.get(points[0]["mode"]))
         out[key] = result
@@ -414,19 +417,27 @@ def theory_tolerated(points: list[dict], clean: dict | None, tolerance_abs: floa
     BER at which 1 - exp(-lambda) = f*; inf when the recipe loses no steps at any BER, None when unknown.
     `theory_note` says what the recipe does instead when it loses no steps."""
     ref = next((p for p in points if p["ber"] > 0), points[0])
-    low, high = predict_point(ref, train, 1e-6), predict_point(ref, train, 2e-6)
+    # lambda is linear in BER (first order): read its slope at 1e-6 and 2e-6, or lower where a large model
+    # saturates there (every step lost, or every run ended, at both BERs would read as a slope of 0)
+    ref_ber = 1e-6
+    low, high = predict_point(ref, train, ref_ber), predict_point(ref, train, 2 * ref_ber)
+    while (low is not None and high is not None and ref_ber > 1e-15
+           and (high.p_step_lost > 0.99 or high.p_run_completes < 0.01)):
+        ref_ber /= 10
+        low, high = predict_point(ref, train, ref_ber), predict_point(ref, train, 2 * ref_ber)
     out = {"theory_lost_ber": None, "theory_tolerated_ber": None, "time_shift_fraction": None, "theory_note": None,
            "theory_ending_ber": None}
     if low is None or high is None:
         out["theory_note"] = "no prediction: the rows lack the model, the ranks or the batch"
         return out
     lam = lambda p: -math.log1p(-min(p.p_step_lost, 1 - 1e-12))  # noqa: E731
-    slope = (lam(high) - lam(low)) / 1e-6
-    base = lam(low) - slope * 1e-6  # lost steps that do not depend on the BER (protected bits' residual)
+    slope = (lam(high) - lam(low)) / ref_ber
+    base = lam(low) - slope * ref_ber  # lost steps that do not depend on the BER (protected bits' residual)
     # run-ending events (guard stop, Inf/NaN under guard none): the BER at which half the runs end early
     end = lambda p: -math.log(max(p.p_run_completes, 1e-300))  # noqa: E731
-    end_slope = (end(high) - end(low)) / 1e-6
-    ending = max(0.0, (math.log(2) - (end(low) - end_slope * 1e-6)) / end_slope) if end_slope > 0 else math.inf
+    end_slope = (end(high) - end(low)) / ref_ber
+    ending = (max(0.0, (math.log(2) - (end(low) - end_slope * ref_ber)) / end_slope) if end_slope > 0
+              else math.inf)
     f = time_shift_fraction(clean and clean["loss_curve_mean"], tolerance_abs)
     out["time_shift_fraction"], out["theory_ending_ber"] = f, ending
     if slope <= 0:
