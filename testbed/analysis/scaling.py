@@ -87,7 +87,7 @@ def lambda_cells(rows: list[dict]) -> list[dict]:
             groups.setdefault((r.get("model"), recipe_of(r), r.get("mode"), float(r["ber_at_lambda"])), []).append(r)
     cells = []
     for (model, recipe, mode, lam), group in sorted(groups.items(), key=lambda kv: (
-            model_key(kv[0][0]), _recipe_kind(recipe_settings(kv[1][0])), mode_key(kv[0][2]), kv[0][3])):
+            model_key(kv[0][0]), recipe_kind(recipe_settings(kv[1][0])), mode_key(kv[0][2]), kv[0][3])):
         first = group[0]
         lost = [x for r in group if (x := lost_steps(r)) is not None]
         k, n = sum(a for a, _ in lost), sum(b for _, b in lost)
@@ -95,7 +95,7 @@ def lambda_cells(rows: list[dict]) -> list[dict]:
                                               "steps", "lr", "grad_clip")},
                  **recipe_settings(first), "ber": ber_of(first)}
         pred = predict_point(point)
-        cell = {"model": model, "n_params": first.get("n_params"), "recipe": recipe, "kind": _recipe_kind(point),
+        cell = {"model": model, "n_params": first.get("n_params"), "recipe": recipe, "kind": recipe_kind(point),
                 "mode": mode, "lambda_target": lam, "ber": ber_of(first), "wire_lambda": wire_lambda(first),
                 "injector": first.get("injector"), "runs": len(group), "ok": sum(1 for r in group if is_ok(r)),
                 "lost": k, "steps": n, "prediction": pred,
@@ -118,7 +118,7 @@ def lambda_cells(rows: list[dict]) -> list[dict]:
     return cells
 
 
-def _recipe_kind(settings: dict) -> str:
+def recipe_kind(settings: dict) -> str:
     """default / protect / sanitize / other, from the recipe's settings (not its name)."""
     if settings.get("protect"):
         return "protect"
@@ -179,7 +179,7 @@ def chaos_floor(rows: list[dict]) -> list[dict]:
             lam = finite(r.get("ber_at_lambda"))
             if lam is None or finite(r.get("final_deviation")) is None:
                 continue
-            kind = _recipe_kind(recipe_settings(r))
+            kind = recipe_kind(recipe_settings(r))
             e = ber_runs.setdefault((kind, lam), {"kind": kind, "lambda": lam, "ber": ber_of(r), "values": [],
                                                   "rows": []})
             e["values"].append(float(r["final_deviation"]))

@@ -571,6 +571,90 @@ def plot_lambda_collapse(rows: list[dict], path) -> Path | None:
     return save_figure(fig, path)
 
 
+def plot_size_thresholds(fits: list[dict], path) -> Path | None:
+    """(Drawn by the size-threshold section, testbed/report/scaling.py, from `sizefit.size_fits`.) Threshold BER
+    against parameter count, log-log, a panel per mode: each size's paired-rule interval as a bar (last passing
+    to first failing BER; an arrow where it is one-sided), a color per family (recipe); the least-squares line
+    through the midpoints (solid) extended to GPT-2 124M, the theory's tolerated BER per size and its fixed-lambda
+    extension (dashed), the 124M prediction with the range of every line through every interval (diamond), and
+    the published figure at 124M (gray bar: fine below it)."""
+    fits = [f for f in fits if f["sizes"]]
+    if not fits:
+        return None
+    modes_present = [m for m in ("ddp", "pp") if any(f["family"]["mode"] == m for f in fits)]
+    modes_present += sorted({f["family"]["mode"] for f in fits} - set(modes_present))
+    fig, axes = _figure(len(modes_present), width=6.5, height=5.0)
+    palette = colormaps["tab10"].colors
+    colors = {k: palette[i % len(palette)] for i, k in enumerate(dict.fromkeys(f["name"] for f in fits))}
+    for ax, mode in zip(axes, modes_present):
+        mine = [f for f in fits if f["family"]["mode"] == mode]
+        xmax = max(f["target_n_params"] for f in mine)
+        xmin = min(s["n_params"] for f in mine for s in f["sizes"])
+        xs_line = np.logspace(math.log10(xmin) - 0.15, math.log10(xmax) + 0.1, 50)
+        ys_all = []
+        for i, f in enumerate(mine):
+            color = colors[f["name"]]
+            dodge = 1.06 ** (i - (len(mine) - 1) / 2)
+            for s in f["sizes"]:
+                lo, hi = s["interval"]
+                x = s["n_params"] * dodge
+                bottom = lo if lo > 0 else hi / 10
+                top = hi if math.isfinite(hi) else lo * 10
+                ys_all += [bottom, top]
+                ax.plot([x, x], [bottom, top], color=color, linewidth=3, alpha=0.8, solid_capstyle="butt")
+                if lo <= 0:
+                    ax.plot([x], [bottom], marker="v", color=color, linestyle="")
+                if not math.isfinite(hi):
+                    ax.plot([x], [top], marker="^", color=color, linestyle="")
+                if s["theory_ber"]:
+                    ax.plot([x], [s["theory_ber"]], marker="_", markersize=12, color=color, linestyle="")
+                    ys_all.append(s["theory_ber"])
+            fit = f["fit"]
+            if fit is not None:
+                slope_text = f"{f['fit']['slope']:.2f}"
+                ax.plot(xs_line, 10 ** (fit["intercept"] + fit["slope"] * np.log10(xs_line)), color=color,
+                        linewidth=1.2, label=f"{f['label']}: fit, slope {slope_text}")
+            else:
+                ax.plot([], [], color=color, linewidth=3, label=f"{f['label']}: intervals (no fit)")
+            th = [(s["n_params"], s["theory_ber"]) for s in f["sizes"] if s["theory_ber"]]
+            pred = f["prediction_ber"]
+            if th:
+                tx = [n for n, _ in th] + ([f["target_n_params"]] if pred["theory"] else [])
+                ty = [b for _, b in th] + ([pred["theory"]] if pred["theory"] else [])
+                ys_all += ty
+                ax.plot(tx, ty, color=color, linestyle="--", linewidth=1.0,
+                        label=f"{f['label']}: theory" + (f", slope {f['theory_slope']:.2f}"
+                                                         if f["theory_slope"] is not None else ""))
+            x124 = f["target_n_params"] * dodge
+            rng = pred["range"]
+            if rng is not None and (rng[0] > 0 or math.isfinite(rng[1])):
+                lo = rng[0] if rng[0] > 0 else (rng[1] / 100)
+                hi = rng[1] if math.isfinite(rng[1]) else rng[0] * 100
+                ys_all += [lo, hi]
+                ax.plot([x124, x124], [lo, hi], color=color, linewidth=1.2, linestyle=":")
+            if pred["ber"] is not None:
+                ys_all.append(pred["ber"])
+                ax.plot([x124], [pred["ber"]], marker="D", color=color, linestyle="", markersize=7)
+        pub = PUBLISHED_TOLERATED_BER.get(mode)
+        if pub is not None:
+            ax.plot([xmax], [pub], marker="_", markersize=22, color="gray", linestyle="",
+                    label=f"paper (GPT-2 124M): fine below {ber_text(pub)}")
+            ys_all.append(pub)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        finite_ys = [y for y in ys_all if y > 0 and math.isfinite(y)]
+        if finite_ys:
+            ax.set_ylim(min(finite_ys) / 3, max(finite_ys) * 3)
+        ax.axvline(xmax, color="gray", linewidth=0.6, alpha=0.5)
+        ax.set_xlabel("parameters")
+        ax.set_ylabel("threshold BER (bar: last passing – first failing)")
+        ax.set_title(f"{mode_name(mode)}: threshold vs model size (◆ 124M prediction, dotted: every line "
+                     "through every interval)", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="lower left")
+    return save_figure(fig, path)
+
+
 # file name -> (function, input): report.py draws them all in this order
 PLOTS = {
     "loss_vs_step.png": (plot_loss_vs_step, "rows"),

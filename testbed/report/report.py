@@ -30,7 +30,7 @@ from testbed.locate.scores import locate_section
 from testbed.report import plots
 from testbed.analysis import theory
 from testbed.report.calibration import calibration_section
-from testbed.report.scaling import scaling_section
+from testbed.report.scaling import scaling_section, size_threshold_section
 from testbed.analysis.analysis import (BOUND_LEVEL, LATENCY_STATS, PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES,
                                       aggregate, deviation_fits, interval, latency_entries, orderings, point_config,
                                       published_verdict, retransmission_penalties, sum_or_none, theory_comparison,
@@ -681,7 +681,15 @@ def _recipes_text(recipes: dict) -> str | None:
     parts = []
     for name, r in recipes.items():
         r = r or {}
-        items = [f"{k} {v}" for k, v in (r.get("train") or {}).items() if v is not None]
+        items = [f"{k} {r[k]}" for k in ("model", "steps") if r.get(k) is not None]
+        items += [f"{k} {v}" for k, v in (r.get("train") or {}).items() if v is not None]
+        if r.get("seed"):
+            items.append(f"seeds {', '.join(map(str, r['seed']))}")
+        if isinstance(r.get("ber"), dict):
+            items.append("BER " + "; ".join(f"{mode_name(m)} {', '.join(ber_text(b) for b in v)}"
+                                           for m, v in r["ber"].items()))
+        elif r.get("ber"):
+            items.append(f"BER {', '.join(ber_text(b) for b in r['ber'])}")
         items += [f"link {k} {', '.join(map(str, v)) if isinstance(v, list) else v}"
                   for k, v in (r.get("link") or {}).items() if v is not None]
         parts.append(f"{name}: {', '.join(items) or 'as train:'}")
@@ -893,6 +901,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
     md += scaling_section(rows, out_dir)  # size ladder and BER-0 controls (experiments/scaling.yaml); [] otherwise
     md += thresholds_section(agg, th, tolerance, tol_source, drawn)
+    md += size_threshold_section(th, tolerance, out_dir)  # thresholds at several sizes (thresholds.yaml); [] otherwise
     if fits:
         md += deviation_section(rows, fits)
         md += [_plot_line("deviation_vs_ber.png", drawn), "", _plot_line("divergence_vs_ber.png", drawn), ""]

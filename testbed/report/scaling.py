@@ -1,7 +1,10 @@
-"""The report's size-ladder section (experiments/scaling.yaml): lost steps against lambda for every model size,
+"""The report's size-ladder sections. experiments/scaling.yaml: lost steps against lambda for every model size,
 the measured-vs-predicted table with a verdict per cell, the chaos floor (BER-0 controls beside the BER runs) and
-the time per size. The numbers come from testbed/analysis/scaling.py; nothing is written for an experiment
-without `ber_at_lambda` points or controls."""
+the time per size (numbers from testbed/analysis/scaling.py; nothing is written for an experiment without
+`ber_at_lambda` points or controls). experiments/thresholds.yaml: the paired-rule thresholds of every size, the
+log-log slope of threshold against parameters beside the theory's, and the GPT-2 124M prediction beside the
+published figures (numbers from testbed/analysis/sizefit.py; nothing is written unless one recipe has thresholds
+at two sizes or more)."""
 
 from __future__ import annotations
 
@@ -9,12 +12,17 @@ import sys
 import traceback
 from pathlib import Path
 
-from testbed.analysis import scaling
+import math
+
+from testbed.analysis import scaling, sizefit
+from testbed.analysis.analysis import PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES
 from testbed.analysis.formatting import ber_text, fmt, md_table, mode_name
-from testbed.report.plots import plot_lambda_collapse
+from testbed.report.plots import plot_lambda_collapse, plot_size_thresholds
 
 PLOT_FILE = "lambda_collapse.png"
 PLOT_TITLE = "Lost-step fraction vs λ, every model size"
+SIZE_PLOT_FILE = "threshold_vs_size.png"
+SIZE_PLOT_TITLE = "Threshold BER vs parameters, with the fit, the theory and the 124M prediction"
 
 VERDICT_WORDS = {"agrees": "agrees", "above": "**above**", "below": "**below**", None: "—"}
 
@@ -158,4 +166,178 @@ def scaling_section(rows: list[dict], out_dir: Path) -> list[str]:
         md += floor_table(floor)
         md += _floor_sentences(floor) + [""]
     md += ["### Time per size", "", *time_table(scaling.time_per_size(rows)), ""]
+    return md
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Thresholds against model size (experiments/thresholds.yaml)
+# ---------------------------------------------------------------------------------------------------------------
+
+def range_text(lo: float | None, hi: float | None) -> str:
+    """A BER interval: '[1e-09, 3e-08]', '< 3e-08' (no lower end), '≥ 1e-09' (no upper end), 'any' (neither)."""
+    if lo is None or hi is None:
+        return "—"
+    if lo <= 0 and math.isinf(hi):
+        return "unbounded"
+    if lo <= 0:
+        return f"< {ber_text(hi)}"
+    if math.isinf(hi):
+        return f"≥ {ber_text(lo)}"
+    return f"[{ber_text(lo)}, {ber_text(hi)}]"
+
+
+def _interval_cell(iv: tuple[float, float] | None) -> str:
+    """The measured threshold as report.py writes it: '1e-06 – 3e-06', '< 1e-06', '≥ 1e-04'."""
+    if iv is None:
+        return "no threshold"
+    lo, hi = iv
+    if lo > 0 and math.isfinite(hi):
+        return f"{ber_text(lo)} – {ber_text(hi)}"
+    return f"< {ber_text(hi)}" if lo <= 0 else f"≥ {ber_text(lo)}"
+
+
+def _slope_text(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.2f}"
+
+
+def _slope_interval(iv) -> str:
+    if iv is None:
+        return "—"
+    lo, hi = iv
+    return f"[{_slope_text(lo) if math.isfinite(lo) else '-inf'}, {_slope_text(hi) if math.isfinite(hi) else 'inf'}]"
+
+
+def size_threshold_table(fits: list[dict], tolerance: float) -> list[str]:
+    """Per family and size: the interval at the registered tolerance and at each sensitivity tolerance, and the
+    theory's tolerated BER."""
+    tols = sorted({*SENSITIVITY_TOLERANCES, tolerance})
+    rows = []
+    for f in fits:
+        for s in f["sizes"]:
+            t = s["threshold"]
+            sens = [_interval_cell(sizefit.interval_of(*t["sensitivity"][tol])) if tol in t.get("sensitivity", {})
+                    else "—" for tol in tols]
+            theory_cell = (ber_text(s["theory_ber"]) if s["theory_ber"] else
+                           "any (no lost steps)" if s["theory_none"] else "—")
+            rows.append([f["label"], s["recipe"], s["model"] or "—", f"{s['n_params']:,}", fmt(s["steps"]),
+                         fmt(s["seeds"]), _interval_cell(s["interval"])
+                         + (" (non-monotonic)" if s["non_monotonic"] else ""), *sens, theory_cell])
+    return md_table(["recipe, mode", "recipe name", "model", "parameters", "steps", "seeds",
+                     f"threshold at {100 * tolerance:g} % (registered)"]
+                    + [f"{100 * tol:g} %" for tol in tols] + ["theory: tolerated up to"], rows)
+
+
+def size_fit_table(fits: list[dict]) -> list[str]:
+    rows = []
+    for f in fits:
+        fit = f["fit"]
+        ls = (f"{_slope_text(fit['slope'])} {_slope_interval(fit['slope_ci'])}" if fit and fit["slope_ci"]
+              else f"{_slope_text(fit['slope'])} (no interval: {fit['n']} two-sided)" if fit
+              else f"— ({f['n_two_sided']} two-sided interval(s))")
+        theory = (f"{_slope_text(f['theory_slope'])}" + (" (at fixed λ)" if f["theory_basis"] == "lambda" else "")
+                  if f["theory_slope"] is not None else
+                  "none: no lost steps predicted" if f["no_lost_steps"] else "—")
+        rows.append([f["label"], ", ".join(s["model"] or "?" for s in f["sizes"]), ls,
+                     _slope_interval(f["slope_range"]) if f["slope_range"] else "none: no power law fits every interval",
+                     theory, _slope_text(f["lambda_slope"]), f["verdict"] or "—"])
+    return md_table(["recipe, mode", "sizes", "least squares on midpoints [95 % t]",
+                     "slopes consistent with every interval", "theory slope", "theory at fixed λ",
+                     "theory vs measured"], rows)
+
+
+def prediction_table(fits: list[dict]) -> list[str]:
+    rows = []
+    for f in fits:
+        p = f["prediction_ber"]
+        pub = PUBLISHED_TOLERATED_BER.get(f["family"]["mode"])
+        rows.append([f["label"], ber_text(p["ber"]) if p["ber"] is not None else "—",
+                     range_text(*p["range"]) if p["range"] else "none (no line fits every interval)",
+                     range_text(*p["t"]) if p["t"] else "—",
+                     ber_text(p["theory"]) if p["theory"] else ("any (no lost steps)" if f["no_lost_steps"] else "—"),
+                     f"< {ber_text(pub)}" if pub is not None else "—"])
+    return md_table(["recipe, mode", "124M: fitted", "every line through every interval", "95 % t prediction",
+                     "theory", "paper (GPT-2 124M)"], rows)
+
+
+def sensitivity_fit_table(th: dict, tolerance: float) -> list[str]:
+    tols = sorted({*SENSITIVITY_TOLERANCES, tolerance})
+    by_tol = sizefit.sensitivity_fits(th, tols)
+    labels = list(dict.fromkeys(lbl for fits in by_tol.values() for lbl in fits))
+    rows = []
+    for label in labels:
+        cells = []
+        for tol in tols:
+            f = by_tol[tol].get(label)
+            cells.append("—" if f is None else
+                         f"{_slope_text(f['fit']['slope']) if f['fit'] else '—'} "
+                         f"{_slope_interval(f['slope_range']) if f['slope_range'] else '(no power law)'}")
+        rows.append([label] + cells)
+    return md_table(["recipe, mode"] + [f"{100 * t:g} %" + (" (registered)" if t == tolerance else "") for t in tols],
+                    rows)
+
+
+def _fit_sentence(f: dict) -> str:
+    fit, rng, pred = f["fit"], f["slope_range"], f["prediction_ber"]
+    parts = [f"**{f['label']}**"]
+    if fit is not None:
+        parts.append(f"threshold ∝ parameters^{_slope_text(fit['slope'])} (least squares through "
+                     f"{fit['n']} midpoints" + (f", 95 % t interval {_slope_interval(fit['slope_ci'])} with "
+                                                f"{fit['df']} degree(s) of freedom" if fit["slope_ci"] else "") + ")")
+    else:
+        parts.append(f"no least-squares slope ({f['n_two_sided']} two-sided interval(s) of {f['n']})")
+    parts.append(f"slopes consistent with every interval {_slope_interval(rng)}" if rng else
+                 "no power law passes through every interval")
+    if f["theory_slope"] is not None:
+        parts.append(f"theory {_slope_text(f['theory_slope'])}" + (" at fixed λ" if f["theory_basis"] == "lambda"
+                                                                     else "") + f": {f['verdict']}")
+    elif f["no_lost_steps"]:
+        parts.append("the theory predicts no lost steps for this recipe, so it has no threshold and no slope")
+    pub = PUBLISHED_TOLERATED_BER.get(f["family"]["mode"])
+    pred_text = (f"{ber_text(pred['ber'])}" if pred["ber"] is not None else "no fitted value")
+    pred_text += (f", every line through every interval gives {range_text(*pred['range'])}" if pred["range"] else "")
+    parts.append(f"at GPT-2 124M: {pred_text}" + (f" (theory {ber_text(pred['theory'])})" if pred["theory"] else "")
+                 + (f"; paper < {ber_text(pub)}" if pub is not None else ""))
+    text = f"{parts[0]}: " + "; ".join(parts[1:]) + "."
+    if f["differs"]:
+        text += " Caution: the sizes differ in " + ", ".join(f"{k} ({'/'.join(map(fmt, v))})"
+                                                             for k, v in f["differs"].items()) + "."
+    return text
+
+
+def _size_plot_line(fits: list[dict], out_dir: Path) -> str:
+    try:
+        drawn = plot_size_thresholds(fits, Path(out_dir) / SIZE_PLOT_FILE)
+    except Exception as e:  # noqa: BLE001 - the report of a long run must not be lost to a plot
+        traceback.print_exc(file=sys.stderr)
+        return f"*{SIZE_PLOT_TITLE}: the plot could not be drawn ({type(e).__name__}: {e}).*"
+    return f"![{SIZE_PLOT_TITLE}]({SIZE_PLOT_FILE})" if drawn else f"*{SIZE_PLOT_TITLE}: not drawn, no fit.*"
+
+
+def size_threshold_section(th: dict, tolerance: float, out_dir: Path) -> list[str]:
+    """The section's markdown lines (and its plot, into out_dir); [] unless a recipe has thresholds at two sizes
+    or more (analysis.thresholds output `th`, at the registered `tolerance`)."""
+    fits = sizefit.size_fits(th)
+    if not fits:
+        return []
+    md = ["## Thresholds against model size, and the GPT-2 124M prediction", "",
+          "Each size's threshold is its paired-rule interval (last passing – first failing BER; \"< F\": the "
+          "smallest tested BER failed, \"≥ B\": every tested BER passed). The fit is log10 threshold BER against "
+          "log10 parameters per recipe and mode: least squares through the geometric midpoints of the two-sided "
+          "intervals, with a Student-t interval (n - 2 degrees of freedom; the residual sd, floored by the "
+          "midpoints' own spread, interval width / sqrt(12) in log10; with three sizes one degree of freedom, "
+          "t = 12.7, so that interval is wide), and the range of slopes of every line that passes through every "
+          "interval, one-sided ones included (not a confidence interval: each interval is taken as exact). The "
+          "theory's slope fits the theory's tolerated BER of each size (the report's \"theory: tolerated up to\"); "
+          "\"at fixed λ\" is the slope of theory.ber_at_lambda (DDP -1, PP by the width at fixed tokens per step). "
+          "The 124M value extrapolates the fit; its range is the lowest and highest value at 124M of every line "
+          "through every interval, its t interval the prediction interval of one new size. It holds for this "
+          "experiment's setup (hosts, tokens per step, steps, lr, tolerance), not the published one's "
+          "(testbed/analysis/sizefit.py).", "", _size_plot_line(fits, out_dir), "",
+          "Thresholds per size (and at the sensitivity table's tolerances):", "",
+          *size_threshold_table(fits, tolerance), "", "The size slope, measured and by the theory:", "",
+          *size_fit_table(fits), "", "GPT-2 124M (124,439,808 parameters), predicted from the sizes measured here, "
+          "beside the published figures:", "", *prediction_table(fits), "",
+          "The slope at each tolerance (least squares; in brackets the slopes consistent with every interval):", "",
+          *sensitivity_fit_table(th, tolerance), ""]
+    md += [f"- {_fit_sentence(f)}" for f in fits] + [""]
     return md
