@@ -301,7 +301,8 @@ def size_fit(fam: dict, target: str = TARGET_MODEL) -> dict:
 def slope_verdict(theory_slope: float | None, est: dict) -> str | None:
     """'consistent' when the theory's slope is among the consistent slopes (or, without them, inside the t
     interval); 'steeper' when the measured thresholds fall faster with size than the theory says, 'shallower'
-    when slower; 'no power law' when no line fits every interval; None when either side is missing."""
+    when slower; 'unconstrained' when the intervals allow every slope; 'no power law' when no line fits every
+    interval; None when either side is missing."""
     if theory_slope is None:
         return None
     rng = est["slope_range"]
@@ -313,6 +314,8 @@ def slope_verdict(theory_slope: float | None, est: dict) -> str | None:
         return "no power law"
     else:
         return None
+    if math.isinf(lo) and math.isinf(hi):
+        return "unconstrained"  # one-sided intervals only: any slope fits
     if lo <= theory_slope <= hi:
         return "consistent"
     return "steeper" if hi < theory_slope else "shallower"

@@ -632,6 +632,10 @@ def plot_size_thresholds(fits: list[dict], path) -> Path | None:
                 hi = rng[1] if math.isfinite(rng[1]) else rng[0] * 100
                 ys_all += [lo, hi]
                 ax.plot([x124, x124], [lo, hi], color=color, linewidth=1.2, linestyle=":")
+                if rng[0] <= 0:
+                    ax.plot([x124], [lo], marker="v", color=color, linestyle="", markersize=4)
+                if not math.isfinite(rng[1]):
+                    ax.plot([x124], [hi], marker="^", color=color, linestyle="", markersize=4)
             if pred["ber"] is not None:
                 ys_all.append(pred["ber"])
                 ax.plot([x124], [pred["ber"]], marker="D", color=color, linestyle="", markersize=7)

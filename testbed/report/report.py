@@ -827,6 +827,12 @@ def summary_section(rows: list[dict], th: dict, tolerance: float, source: str) -
     n_params = first.get("n_params")
     setup = (f"{first.get('model', '?')} GPT-2" + (f" ({n_params:,} parameters)" if isinstance(n_params, int) else "")
              + f", {first.get('steps', '?')} steps, {len(seeds)} seed(s)")
+    sizes = {r["model"]: r for r in rows if r.get("model")}
+    if len(sizes) > 1:  # a size ladder: every model, its parameters, steps and seeds
+        setup = "; ".join(f"{m} GPT-2" + (f" ({r['n_params']:,} parameters)" if isinstance(r.get("n_params"), int)
+                                          else "") + f", {r.get('steps', '?')} steps, "
+                          f"{len({x.get('seed') for x in rows if x.get('model') == m})} seed(s)"
+                          for m, r in sizes.items())
     out = ["## Summary", "",
            f"Paired rule: per seed, gap = eval loss at the BER - eval loss at BER 0 with the same seed; a BER passes "
            f"when every run made progress and the one-sided {100 * BOUND_LEVEL:g} % upper bound (Student's t) of the mean "
