@@ -255,6 +255,22 @@ def test_a_recipe_without_lost_steps_has_no_theory_slope():
     assert f["slope_range"][0] <= 0.0 <= f["slope_range"][1]
 
 
+def test_one_sided_sizes_leave_the_slope_unconstrained_and_differing_steps_are_flagged():
+    truth, grids = synthetic_ladder()
+    rows = [r for r in ladder_rows(truth, grids) if r["mode"] == "ddp"]
+    # every size fails at its smallest BER: "< F" only, and tiny ran 100 steps, not 300
+    rows = [dict(r, final_eval_loss=r["final_eval_loss"] + 1.0) if r["ber"] > 0 else r for r in rows]
+    rows = [dict(r, steps=100, steps_completed=100) if r["model"] == "tiny" else r for r in rows]
+    (f,) = sizefit.size_fits(analysis.thresholds(analysis.aggregate(rows), tolerance=0.01))
+    assert [s["kind"] for s in f["sizes"]] == ["below"] * 3 and f["fit"] is None
+    assert f["slope_range"] == (-math.inf, math.inf) and f["verdict"] == "unconstrained"
+    # upper bounds alone bound no extrapolation (a steep enough rising line passes under every one of them)
+    assert f["prediction_ber"]["range"] == (0.0, math.inf) and f["prediction_ber"]["ber"] is None
+    assert f["differs"] == {"steps": [100, 300]}
+    from testbed.report.scaling import _fit_sentence
+    assert "Caution: the sizes differ in steps (100/300)." in _fit_sentence(f)
+
+
 def test_report_section_renders_from_synthetic_rows(tmp_path):
     from testbed.report.report import write_report
 

@@ -29,8 +29,8 @@ extrapolation to GPT-2 124M. Pure functions on `analysis.thresholds` output, no 
   up to": lost steps 1 - exp(-lambda) against the time shift the clean loss curve absorbs within the tolerance),
   fitted the same way (`theory_slope`); and the slope at a fixed lambda (`lambda_slope`: log10 of
   theory.ber_at_lambda against log10 parameters; DDP -1 exactly, PP by the width, since PP's wire carries
-  activations of width d at fixed tokens per step). The theory's 124M value is the largest size's tolerated BER
-  carried to 124M at the same lambda (x lambda_per_ber(largest) / lambda_per_ber(124M)). A recipe that loses no
+  activations of width d at fixed tokens per step). The theory's 124M value is the tolerated BER of the largest
+  size that has one, carried to 124M at the same lambda (x lambda_per_ber(largest) / lambda_per_ber(124M)). A recipe that loses no
   steps (sanitize, protect) has no theory threshold, so no theory slope. The verdict compares the theory's slope
   with the consistent slopes (and, where it exists, the t interval).
 """
@@ -280,9 +280,9 @@ def size_fit(fam: dict, target: str = TARGET_MODEL) -> dict:
     else:
         theory_slope, basis = None, None
     theory_target = None
-    largest = sizes[-1]
-    per_target = lambda_per_ber_of(target, largest["threshold"])
-    if largest["theory_ber"] and largest["lambda_per_ber"] and per_target:
+    largest = next((s for s in reversed(sizes) if s["theory_ber"] and s["lambda_per_ber"]), None)
+    per_target = lambda_per_ber_of(target, largest["threshold"]) if largest else None
+    if largest and per_target:
         theory_target = largest["theory_ber"] * largest["lambda_per_ber"] / per_target
     ten = lambda v: None if v is None else 10.0 ** v  # noqa: E731
     pred = {"ber": ten(est["prediction"]),
