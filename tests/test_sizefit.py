@@ -288,6 +288,13 @@ def test_report_section_renders_from_synthetic_rows(tmp_path):
     assert "- **default DDP**: threshold ∝ parameters^" in section and "paper < 1e-04." in section
     # the sensitivity of the slope: a column per tolerance
     assert "| recipe, mode | 0.5 % | 1 % (registered) | 2 % | 5 % |" in section
+    # mini with fewer seeds: flagged, and the fit again on the seeds every size ran
+    fewer = [r for r in rows if not (r["model"] == "mini" and r["seed"] == 3)]
+    assert sizefit.matched_seeds(fewer, analysis.thresholds(analysis.aggregate(fewer))) == [1, 2]
+    assert sizefit.matched_seeds(rows, analysis.thresholds(analysis.aggregate(rows))) is None
+    md2 = write_report(tmp_path / "fewer", rows=fewer, latency={}, experiment={}).read_text()
+    assert "Caution: the sizes differ in seeds (2/3)." in md2
+    assert "The same fit on the seeds every size ran (1, 2):" in md2
     # one size only: no section
     one = [r for r in rows if r["model"] == "tiny"]
     plain = write_report(tmp_path / "one", rows=one, latency={}, experiment={}).read_text()

@@ -261,8 +261,8 @@ def size_fit(fam: dict, target: str = TARGET_MODEL) -> dict:
     """The fit of one family (module docstring): measured, theory and the prediction at `target`, as BER (not
     log10): {label, sizes, fit, slope_range, theory_slope and theory_basis ('tolerated': the fit of the sizes'
     tolerated BERs; 'lambda': at fixed lambda, when the rows lack the loss curves the tolerated BER needs; None: the
-    recipe loses no steps), lambda_slope, verdict, prediction_ber: {ber, range, t, theory}, differs: settings that
-    differ between its sizes (steps, lr)}."""
+    recipe loses no steps), lambda_slope, verdict, prediction_ber: {ber, range, t, theory}, differs: what differs
+    between its sizes (steps, lr, seeds: fewer seeds widen the t bound, a stricter rule at that size)}."""
     sizes = fam["sizes"]
     xs = [math.log10(s["n_params"]) for s in sizes]
     x_star = math.log10(theory.param_count(target))
@@ -289,7 +289,7 @@ def size_fit(fam: dict, target: str = TARGET_MODEL) -> dict:
             "range": None if est["prediction_range"] is None else tuple(ten(v) for v in est["prediction_range"]),
             "t": None if est["prediction_t"] is None else tuple(ten(v) for v in est["prediction_t"]),
             "theory": theory_target}
-    differs = {k: sorted({s[k] for s in sizes if s[k] is not None}) for k in ("steps", "lr")}
+    differs = {k: sorted({s[k] for s in sizes if s[k] is not None}) for k in ("steps", "lr", "seeds")}
     return {"label": family_label(fam), "name": family_name(fam), "family": fam, "sizes": sizes, "target": target,
             "target_n_params": theory.param_count(target), **est, "theory_slope": theory_slope,
             "theory_basis": basis,
@@ -335,3 +335,16 @@ def sensitivity_fits(th: dict[str, dict], tolerances) -> dict[float, dict[str, d
 def is_size_ladder(th: dict[str, dict]) -> bool:
     """Whether any family has thresholds at two or more sizes (the section applies)."""
     return any(len({s["n_params"] for s in f["sizes"]}) >= 2 for f in families(th))
+
+
+def matched_seeds(rows: list[dict], th: dict[str, dict]) -> list[int] | None:
+    """The seeds every size of a ladder ran, when some size ran more (the paired rule's t bound is wider with
+    fewer seeds, so sizes with different seed counts are judged by rules of different strictness); None when the
+    seed sets already match or no family has two sizes. The report refits on these seeds alone."""
+    models = {s["model"] for f in families(th) if len({x["n_params"] for x in f["sizes"]}) >= 2 for s in f["sizes"]}
+    per_model = {m: {r.get("seed") for r in rows if r.get("model") == m and r.get("seed") is not None}
+                 for m in models}
+    if len(per_model) < 2 or len({frozenset(v) for v in per_model.values()}) == 1:
+        return None
+    common = sorted(set.intersection(*per_model.values()))
+    return common if len(common) >= 2 else None

@@ -907,7 +907,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
     md += scaling_section(rows, out_dir)  # size ladder and BER-0 controls (experiments/scaling.yaml); [] otherwise
     md += thresholds_section(agg, th, tolerance, tol_source, drawn)
-    md += size_threshold_section(th, tolerance, out_dir)  # thresholds at several sizes (thresholds.yaml); [] otherwise
+    md += size_threshold_section(th, tolerance, out_dir, rows, exp.get("train"))  # several sizes; [] otherwise
     if fits:
         md += deviation_section(rows, fits)
         md += [_plot_line("deviation_vs_ber.png", drawn), "", _plot_line("divergence_vs_ber.png", drawn), ""]

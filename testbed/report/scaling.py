@@ -313,9 +313,11 @@ def _size_plot_line(fits: list[dict], out_dir: Path) -> str:
     return f"![{SIZE_PLOT_TITLE}]({SIZE_PLOT_FILE})" if drawn else f"*{SIZE_PLOT_TITLE}: not drawn, no fit.*"
 
 
-def size_threshold_section(th: dict, tolerance: float, out_dir: Path) -> list[str]:
+def size_threshold_section(th: dict, tolerance: float, out_dir: Path, rows: list[dict] | None = None,
+                           train: dict | None = None) -> list[str]:
     """The section's markdown lines (and its plot, into out_dir); [] unless a recipe has thresholds at two sizes
-    or more (analysis.thresholds output `th`, at the registered `tolerance`)."""
+    or more (analysis.thresholds output `th`, at the registered `tolerance`). With the `rows` (and the
+    experiment's `train:`), a ladder whose sizes ran different seeds is refitted on the seeds they share."""
     fits = sizefit.size_fits(th)
     if not fits:
         return []
@@ -340,4 +342,15 @@ def size_threshold_section(th: dict, tolerance: float, out_dir: Path) -> list[st
           "The slope at each tolerance (least squares; in brackets the slopes consistent with every interval):", "",
           *sensitivity_fit_table(th, tolerance), ""]
     md += [f"- {_fit_sentence(f)}" for f in fits] + [""]
+    seeds = sizefit.matched_seeds(rows or [], th)
+    if seeds:
+        from testbed.analysis.analysis import aggregate, thresholds
+
+        same = [r for r in rows if r.get("seed") in seeds]
+        matched = sizefit.size_fits(thresholds(aggregate(same, train=train), tolerance, train=train))
+        if matched:
+            md += [f"The sizes ran different seeds, and the paired rule's t bound is wider with fewer (t(0.95, n-1): "
+                   "2.92 for 3 seeds, 2.13 for 5), so the smaller seed count is a stricter rule. The same fit on "
+                   f"the seeds every size ran ({', '.join(map(str, seeds))}):", "",
+                   *size_fit_table(matched), "", *prediction_table(matched), ""]
     return md
