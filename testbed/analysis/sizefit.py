@@ -30,9 +30,9 @@ extrapolation to GPT-2 124M. Pure functions on `analysis.thresholds` output, no 
   fitted the same way (`theory_slope`); and the slope at a fixed lambda (`lambda_slope`: log10 of
   theory.ber_at_lambda against log10 parameters; DDP -1 exactly, PP by the width, since PP's wire carries
   activations of width d at fixed tokens per step). The theory's 124M value is the tolerated BER of the largest
-  size that has one, carried to 124M at the same lambda (x lambda_per_ber(largest) / lambda_per_ber(124M)). A recipe that loses no
-  steps (sanitize, protect) has no theory threshold, so no theory slope. The verdict compares the theory's slope
-  with the consistent slopes (and, where it exists, the t interval).
+  size that has one, carried to 124M at the same lambda (x lambda_per_ber(largest) / lambda_per_ber(124M)). A
+  recipe that loses no steps (sanitize, protect) has no theory threshold, so no theory slope. The verdict compares
+  the theory's slope with the consistent slopes (and, without them, the t interval).
 """
 
 from __future__ import annotations

@@ -238,7 +238,8 @@ def size_fit_table(fits: list[dict]) -> list[str]:
                   if f["theory_slope"] is not None else
                   "none: no lost steps predicted" if f["no_lost_steps"] else "—")
         rows.append([f["label"], ", ".join(s["model"] or "?" for s in f["sizes"]), ls,
-                     _slope_interval(f["slope_range"]) if f["slope_range"] else "none: no power law fits every interval",
+                     _slope_interval(f["slope_range"]) if f["slope_range"]
+                     else "none: no power law fits every interval",
                      theory, _slope_text(f["lambda_slope"]), f["verdict"] or "—"])
     return md_table(["recipe, mode", "sizes", "least squares on midpoints [95 % t]",
                      "slopes consistent with every interval", "theory slope", "theory at fixed λ",
