@@ -645,14 +645,17 @@ def _setup_section(rows: list[dict], exp: dict, latency: dict | None, tolerance:
                                              v, (int, float)) else str(v)))
         return ", ".join(ber_text(v) if key == "ber" else str(v) for v in values) or "—"
 
-    n_params = first.get("n_params")
+    # what the rows ran (recipes may set their own model and steps; process points run on loopback)
+    models = sorted({(r.get("n_params") or 0, r.get("model")) for r in rows if r.get("model")})
+    model_text = ", ".join(f"{m} ({n:,} parameters)" if n else str(m) for n, m in models) or exp.get("model")
+    steps = sorted({r["steps"] for r in rows if r.get("steps")})
     lines = [
         ("Description", exp.get("description")),
-        ("Model", f"{exp.get('model') or first.get('model') or '—'}"
-                  + (f" ({n_params:,} parameters)" if isinstance(n_params, int) else "")),
+        ("Model" if len(models) < 2 else "Models", model_text or "—"),
         ("Topologies", _topologies_text(rows, exp)),
-        ("Runtime", exp.get("runtime") or first.get("runtime")),
-        ("Steps", exp.get("steps") or first.get("steps")),
+        ("Runtime", ", ".join(sorted({str(r["runtime"]) for r in rows if r.get("runtime")}))
+         or exp.get("runtime")),
+        ("Steps", ", ".join(map(str, steps)) or exp.get("steps")),
         ("Training", ", ".join(f"{k} {v}" for k, v in train.items()) or
          ", ".join(f"{k} {first[k]}" for k in ("lr", "grad_clip") if first.get(k) is not None) or "defaults"),
         ("Grid", f"mode {grid_values('mode')}; BER {grid_values('ber')}; scope {grid_values('scope')}; "
@@ -713,9 +716,12 @@ def _topologies_text(rows: list[dict], exp: dict) -> str:
         n = sorted(set().union(*(worlds.get(p, set()) for p in pairs)))
         return "/".join(map(str, n)) or "?"
 
-    parts = [f"{mode_name(m)}: {t} ({hosts([(m, n) for n in plain])} hosts)" for m, t in topologies.items()
+    def name(t) -> str:  # the file's name: the run directory's copy of the experiment has absolute paths
+        return Path(str(t)).name
+
+    parts = [f"{mode_name(m)}: {name(t)} ({hosts([(m, n) for n in plain])} hosts)" for m, t in topologies.items()
              if plain]
-    parts += [f"recipe {n}: {t} ({hosts([(m, n) for m in topologies])} hosts)" for n, t in own.items()]
+    parts += [f"recipe {n}: {name(t)} ({hosts([(m, n) for m in topologies])} hosts)" for n, t in own.items()]
     return ", ".join(parts) or "—"
 
 
