@@ -157,6 +157,23 @@ def test_pp_boundary_checksums_count_as_the_hops_consistency():
     assert detectors.locate(detectors.observations(meta, [{"step": 0, "ranks": ranks}]))
 
 
+def test_detector_parameters_are_the_frozen_record():
+    """The held-out scores (experiments/locate-heldout.yaml) hold for these values only: changing one must be a
+    deliberate act that edits detectors.FROZEN too (and voids those scores), never a silent tweak."""
+    import inspect
+
+    frozen = detectors.FROZEN
+    assert frozen["date"] and len(frozen["commit"]) >= 7
+    assert frozen["params"] == {"WINDOW": 5, "SPIKE": 10.0, "SPIKES": 2, "MISMATCHES": 1, "COUNTER_RATE": 1.0,
+                                "TCP_EVENTS": ("InCsumErrors",)}
+    for name, value in frozen["params"].items():
+        assert getattr(detectors, name) == value, f"detectors.{name} = {getattr(detectors, name)!r}, frozen {value!r}"
+    defaults = {(f.__name__, k): v.default for f in (detectors.timing, detectors.consistency, detectors.counters)
+                for k, v in inspect.signature(f).parameters.items() if v.default is not inspect.Parameter.empty}
+    assert defaults == {("timing", "spike"): 10.0, ("timing", "spikes"): 2, ("timing", "window"): 5,
+                        ("consistency", "mismatches"): 1, ("counters", "window"): 5, ("counters", "rate"): 1.0}
+
+
 def test_scores_count_correct_wrong_and_false_alarms():
     def row(ber, fault, det_link, checksum="keep"):
         det = {"detected": det_link is not None, "link": det_link, "step": 3 if det_link else None, "top": det_link,
