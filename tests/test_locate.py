@@ -184,8 +184,53 @@ def test_scores_count_correct_wrong_and_false_alarms():
     rows = [row(1e-5, "h1-h2", "h1-h2"), row(1e-5, "h2-h3", "h1-h2"), row(1e-5, "h3-h4", None),
             row(0, None, None), row(0, None, "h1-h2")]
     t = next(x for x in score_table(rows) if x["detector"] == "timing")
-    assert (t["faulty"], t["correct"], t["wrong"], t["missed"], t["steps_median"]) == (3, 1, 1, 1, 4)
+    assert (t["ber"], t["faulty"], t["correct"], t["wrong"], t["missed"], t["steps_median"]) == (1e-5, 3, 1, 1, 1, 4)
     assert (t["clean"], t["false_alarms"]) == (2, 1)
+
+
+def test_score_table_cells_are_per_ber_with_known_intervals():
+    """Synthetic rows with known counts: each (config, BER) is its own cell, the config's clean runs are shared by
+    its BERs, and the intervals are the known ones (Clopper-Pearson; the median's order-statistic interval)."""
+    from testbed.locate.scores import format_table, locate_section, median_interval
+
+    def row(ber, checksum, fault, det_link, step=None):
+        det = {"detected": det_link is not None, "link": det_link, "step": step, "top": det_link or "h1-h2",
+               "correct": (det_link == fault) if fault else None}
+        return {"recipe": "ring4", "mode": "ddp", "checksum": checksum, "status": "ok", "ber": ber,
+                "fault_link": fault, "locate": {"scores": {d: det for d in detectors.DETECTORS}}}
+    # keep, 1e-5: 20 faults named at steps 0..19 (reported 1..20); keep, 1e-6: 5 named, 3 wrong, 12 no call
+    rows = [row(1e-5, "keep", "h3-h4", "h3-h4", s) for s in range(20)]
+    rows += [row(1e-6, "keep", "h3-h4", "h3-h4", s) for s in (4, 0, 2, 9, 1)]
+    rows += [row(1e-6, "keep", "h3-h4", "h4-h1", 3)] * 3 + [row(1e-6, "keep", "h3-h4", None)] * 12
+    rows += [row(0, "keep", None, None)] * 19 + [row(0, "keep", None, "h2-h3", 7)]  # one false alarm in 20
+    rows += [row(1e-5, "fix", "h2-h3", None)] * 4 + [row(0, "fix", None, None)] * 2
+    rows += [dict(row(1e-5, "keep", "h3-h4", None), status="crashed")]  # not scored
+    table = score_table(rows)
+    cells = {(t["checksum"], t["ber"]): t for t in table if t["detector"] == "timing"}
+    assert sorted(cells) == [("fix", 1e-5), ("keep", 1e-6), ("keep", 1e-5)]
+    hi = cells["keep", 1e-5]
+    assert (hi["faulty"], hi["correct"], hi["wrong"], hi["missed"], hi["ranked_first"]) == (20, 20, 0, 0, 20)
+    assert hi["correct_ci"] == (pytest.approx(0.025 ** (1 / 20)), 1.0)
+    assert hi["steps_median"] == 10.5 and hi["steps_ci"] == (6, 15)  # n = 20: ranks 6 and 15 (95.9 %)
+    lo = cells["keep", 1e-6]
+    assert (lo["faulty"], lo["correct"], lo["wrong"], lo["missed"]) == (20, 5, 3, 12)
+    assert lo["correct_ci"] == (pytest.approx(0.0866, abs=1e-4), pytest.approx(0.4910, abs=1e-4))
+    assert lo["steps"] == [1, 2, 3, 5, 10] and lo["steps_median"] == 3 and lo["steps_ci"] is None  # 5 < 6
+    for t in (hi, lo):  # the clean runs of keep, shared by both BERs
+        assert (t["clean"], t["false_alarms"]) == (20, 1)
+        assert t["false_alarm_ci"] == (pytest.approx(0.00127, abs=1e-5), pytest.approx(0.2487, abs=1e-4))
+    fix = cells["fix", 1e-5]
+    assert (fix["correct"], fix["missed"], fix["clean"], fix["false_alarms"]) == (0, 4, 2, 0)
+    assert fix["correct_ci"] == (0.0, pytest.approx(1 - 0.025 ** (1 / 4)))
+    assert fix["steps_median"] is None and fix["steps_ci"] is None
+    text = format_table(table)
+    assert "| ring4/ddp/keep | 1e-05 | timing | 20 | 20/20 [0.83, 1.00] | 0 | 0 | 20 | 10.5 [6, 15] | " \
+           "1/20 [0.00, 0.25] |" in text
+    assert "| ring4/ddp/keep | 1e-06 | timing | 20 | 5/20 [0.09, 0.49] | 3 | 12 | 5 | 3 [-] | 1/20 [0.00, 0.25] |" in text
+    assert "| ring4/ddp/fix | 1e-05 | timing | 4 | 0/4 [0.00, 0.60] | 0 | 4 | 0 | - | 0/2 [0.00, 0.84] |" in text
+    assert "order-statistic" in "\n".join(locate_section(rows)) and locate_section(rows[-1:]) == []
+    assert median_interval([3] * 5) is None and median_interval([1, 2, 3, 4, 5, 6]) == (1, 6, 1 - 2 / 64)
+    assert median_interval(range(1, 11))[:2] == (2, 9)  # n = 10: ranks 2 and 9 (97.9 %)
 
 
 def test_fault_links_are_drawn_per_seed_and_applied_to_one_link():
