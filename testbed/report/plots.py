@@ -242,8 +242,9 @@ def _plot_mean_line(ax, rows: list[dict], field: str, color, label: str, clean_x
 
 def plot_eval_loss_vs_ber(rows: list[dict], path) -> Path | None:
     """Final eval loss vs BER (log x), a panel per mode; the clean runs are a horizontal band (min..max of the
-    seeds, line at the mean). Failed runs without an eval loss are marked at the top edge."""
-    if not any(ber_of(r) > 0 for r in rows):
+    seeds, line at the mean). Failed runs without an eval loss are marked at the top edge. None when no run
+    evaluates (e.g. locate.yaml: its report has no threshold section to show it)."""
+    if not any(ber_of(r) > 0 for r in rows) or not any(finite(r.get(EVAL_LOSS)) is not None for r in rows):
         return None
     all_configs = configs(rows)
     colors = config_colors(all_configs)

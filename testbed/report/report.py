@@ -584,11 +584,17 @@ def theory_latency_section(latency: dict | None) -> list[str]:
 # Report
 # ---------------------------------------------------------------------------------------------------------------
 
+# the plots of the sections that compare with the theory (left out with one_link_faults)
+THEORY_PLOTS = ("deviation_vs_ber.png", "divergence_vs_ber.png", "lost_vs_theory.png")
+
+
 def _draw_plots(out_dir: Path, rows: list[dict], latency: dict | None) -> dict[str, Path | None | str]:
     """Every plot; a plot that raises becomes an error string in the report instead of losing the report (it is
     written at the end of a long run)."""
     drawn = {}
     for name, (fn, source) in plots.PLOTS.items():
+        if name in THEORY_PLOTS and one_link_faults(rows):
+            continue  # their sections are left out (one_link_faults)
         try:
             drawn[name] = fn(rows if source == "rows" else latency, out_dir / name)
         except Exception as e:  # noqa: BLE001 - reported below, with the traceback on stderr
