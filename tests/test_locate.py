@@ -283,6 +283,27 @@ def test_shipped_locate_experiment_is_valid():
     assert {exp.topology("ddp", r).name for r in exp.spec.grid.recipe} == {"ring4", "star8"}
 
 
+def test_shipped_heldout_experiment_scores_fresh_seeds():
+    """experiments/locate-heldout.yaml: ring4 and star8, keep and fix, BER 1e-7, 1e-6, 1e-5 and clean, at least 20
+    runs per cell, on seeds the detectors were never designed on (locate.yaml's)."""
+    held = Experiment.load(ROOT / "experiments" / "locate-heldout.yaml")
+    old = Experiment.load(ROOT / "experiments" / "locate.yaml")
+    g = held.spec.grid
+    assert {held.topology("ddp", r).name for r in g.recipe} == {"ring4", "star8"}
+    assert set(g.checksum) == {"keep", "fix"} and set(g.ber) == {0, 1e-7, 1e-6, 1e-5} and list(g.mode) == ["ddp"]
+    assert len(g.seed) >= 20 and not set(g.seed) & set(old.spec.grid.seed) and min(g.seed) > 100
+    cells: dict = {}
+    for p in held.points():
+        cells.setdefault((p.recipe, p.checksum, p.ber), []).append(p)
+        assert held.train_settings(p).monitor and (held.fault_link(p) is None) == (p.ber == 0)
+    assert len(cells) == 16 and all(len(v) >= 20 for v in cells.values())
+    header = (ROOT / "experiments" / "locate-heldout.yaml").read_text()
+    words = {k: f"{k} {' '.join(v) if isinstance(v, tuple) else format(v, 'g') if k != 'COUNTER_RATE' else v}"
+             for k, v in detectors.FROZEN["params"].items()}  # the header states the parameters scored
+    assert all(w in header for w in words.values()), words
+    assert detectors.FROZEN["commit"] in header
+
+
 # -- real runs ---------------------------------------------------------------------------------------------------
 
 
