@@ -226,7 +226,8 @@ def test_score_table_cells_are_per_ber_with_known_intervals():
     text = format_table(table)
     assert "| ring4/ddp/keep | 1e-05 | timing | 20 | 20/20 [0.83, 1.00] | 0 | 0 | 20 | 10.5 [6, 15] | " \
            "1/20 [0.00, 0.25] |" in text
-    assert "| ring4/ddp/keep | 1e-06 | timing | 20 | 5/20 [0.09, 0.49] | 3 | 12 | 5 | 3 [-] | 1/20 [0.00, 0.25] |" in text
+    assert "| ring4/ddp/keep | 1e-06 | timing | 20 | 5/20 [0.09, 0.49] | 3 | 12 | 5 | 3 [-] | " \
+           "1/20 [0.00, 0.25] |" in text
     assert "| ring4/ddp/fix | 1e-05 | timing | 4 | 0/4 [0.00, 0.60] | 0 | 4 | 0 | - | 0/2 [0.00, 0.84] |" in text
     assert "order-statistic" in "\n".join(locate_section(rows)) and locate_section(rows[-1:]) == []
     assert median_interval([3] * 5) is None and median_interval([1, 2, 3, 4, 5, 6]) == (1, 6, 1 - 2 / 64)

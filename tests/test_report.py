@@ -651,8 +651,10 @@ def test_a_locate_report_leads_with_its_detection_table_and_plot(tmp_path):
     md = report.write_report(tmp_path, rows=rows, latency={"results": []}, experiment=exp).read_text()
     sections = [line for line in md.splitlines() if line.startswith("## ")]
     assert sections[0] == "## Fault localisation", sections
-    assert "| ring4/ddp/keep | 1e-06 | timing | 8 | 8/8 [0.63, 1.00] | 0 | 0 | 8 | 5.5 [2, 9] | 0/8 [0.00, 0.37] |" in md
-    assert "| star8/ddp/keep | 1e-07 | counters | 8 | 4/8 [0.16, 0.84] | 0 | 4 | 4 | 5 [-] | 0/8 [0.00, 0.37] |" in md
+    assert ("| ring4/ddp/keep | 1e-06 | timing | 8 | 8/8 [0.63, 1.00] | 0 | 0 | 8 | 5.5 [2, 9] | "
+            "0/8 [0.00, 0.37] |") in md
+    assert ("| star8/ddp/keep | 1e-07 | counters | 8 | 4/8 [0.16, 0.84] | 0 | 4 | 4 | 5 [-] | "
+            "0/8 [0.00, 0.37] |") in md
     assert "![Fault localisation: detection time and rate vs BER](detection_vs_ber.png)" in md
     assert md.index("## Fault localisation") < md.index("detection_vs_ber.png") < md.index("## Setup")
     assert_valid_png(tmp_path / "detection_vs_ber.png")

@@ -90,9 +90,10 @@ def format_table(table: list[dict]) -> str:
             "ranked first", "step of first correct call: median [95% CI]", "false alarms on clean runs [95% CI]"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in table:
-        lines.append(f"| {t['recipe']}/{t['mode']}/{t['checksum']} | {t['ber']:g} | {t['detector']} | {t['faulty']} | "
-                     f"{_frac(t['correct'], t['faulty'], t['correct_ci'])} | {t['wrong']} | {t['missed']} | "
-                     f"{t['ranked_first']} | {_steps(t)} | {_frac(t['false_alarms'], t['clean'], t['false_alarm_ci'])} |")
+        cells = [f"{t['recipe']}/{t['mode']}/{t['checksum']}", f"{t['ber']:g}", t["detector"], str(t["faulty"]),
+                 _frac(t["correct"], t["faulty"], t["correct_ci"]), str(t["wrong"]), str(t["missed"]),
+                 str(t["ranked_first"]), _steps(t), _frac(t["false_alarms"], t["clean"], t["false_alarm_ci"])]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

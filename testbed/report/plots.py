@@ -593,7 +593,8 @@ def plot_detection_vs_ber(rows: list[dict], path) -> Path | None:
     topologies = sorted({k[0] for k in lines}, key=str)
     multi_mode = len({k[1] for k in lines}) > 1
     fig, (ax_t, ax_r) = _figure(2, width=6.5, height=5.0)
-    for i, ((recipe, mode, checksum, detector), ts) in enumerate(sorted(lines.items(), key=lambda kv: tuple(map(str, kv[0])))):
+    ordered = sorted(lines.items(), key=lambda kv: tuple(map(str, kv[0])))
+    for i, ((recipe, mode, checksum, detector), ts) in enumerate(ordered):
         ts = sorted(ts, key=lambda t: t["ber"])
         dodge = 1.06 ** (i - (len(lines) - 1) / 2)  # side by side at one BER (log axis: a factor per line)
         style = dict(color=DETECTOR_COLORS.get(detector, "gray"), linestyle="-" if checksum == "keep" else "--",

@@ -902,7 +902,8 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     faults = one_link_faults(rows)
     fits = {} if faults else deviation_fits(rows)
     md = [f"# Experiment {name}: bit errors in distributed GPT-2 training", ""]
-    md += locate_section(rows, _locate_plot_line(rows, out_dir))  # experiments with monitored points (docs/locate.md): their summary; [] otherwise
+    # experiments with monitored points (docs/locate.md): their detection table and plot lead; [] otherwise
+    md += locate_section(rows, _locate_plot_line(rows, out_dir))
     if faults:
         md += ["One link per faulty point carries its BER, so the theory's predictions (weight deviation, lost "
                "steps: every link at the point's BER) do not apply and their sections are left out.", ""]
