@@ -157,6 +157,23 @@ def test_pp_boundary_checksums_count_as_the_hops_consistency():
     assert detectors.locate(detectors.observations(meta, [{"step": 0, "ranks": ranks}]))
 
 
+def test_detector_parameters_are_the_frozen_record():
+    """The held-out scores (experiments/locate-heldout.yaml) hold for these values only: changing one must be a
+    deliberate act that edits detectors.FROZEN too (and voids those scores), never a silent tweak."""
+    import inspect
+
+    frozen = detectors.FROZEN
+    assert frozen["date"] and len(frozen["commit"]) >= 7
+    assert frozen["params"] == {"WINDOW": 5, "SPIKE": 10.0, "SPIKES": 2, "MISMATCHES": 1, "COUNTER_RATE": 1.0,
+                                "TCP_EVENTS": ("InCsumErrors",)}
+    for name, value in frozen["params"].items():
+        assert getattr(detectors, name) == value, f"detectors.{name} = {getattr(detectors, name)!r}, frozen {value!r}"
+    defaults = {(f.__name__, k): v.default for f in (detectors.timing, detectors.consistency, detectors.counters)
+                for k, v in inspect.signature(f).parameters.items() if v.default is not inspect.Parameter.empty}
+    assert defaults == {("timing", "spike"): 10.0, ("timing", "spikes"): 2, ("timing", "window"): 5,
+                        ("consistency", "mismatches"): 1, ("counters", "window"): 5, ("counters", "rate"): 1.0}
+
+
 def test_scores_count_correct_wrong_and_false_alarms():
     def row(ber, fault, det_link, checksum="keep"):
         det = {"detected": det_link is not None, "link": det_link, "step": 3 if det_link else None, "top": det_link,
@@ -167,8 +184,54 @@ def test_scores_count_correct_wrong_and_false_alarms():
     rows = [row(1e-5, "h1-h2", "h1-h2"), row(1e-5, "h2-h3", "h1-h2"), row(1e-5, "h3-h4", None),
             row(0, None, None), row(0, None, "h1-h2")]
     t = next(x for x in score_table(rows) if x["detector"] == "timing")
-    assert (t["faulty"], t["correct"], t["wrong"], t["missed"], t["steps_median"]) == (3, 1, 1, 1, 4)
+    assert (t["ber"], t["faulty"], t["correct"], t["wrong"], t["missed"], t["steps_median"]) == (1e-5, 3, 1, 1, 1, 4)
     assert (t["clean"], t["false_alarms"]) == (2, 1)
+
+
+def test_score_table_cells_are_per_ber_with_known_intervals():
+    """Synthetic rows with known counts: each (config, BER) is its own cell, the config's clean runs are shared by
+    its BERs, and the intervals are the known ones (Clopper-Pearson; the median's order-statistic interval)."""
+    from testbed.locate.scores import format_table, locate_section, median_interval
+
+    def row(ber, checksum, fault, det_link, step=None):
+        det = {"detected": det_link is not None, "link": det_link, "step": step, "top": det_link or "h1-h2",
+               "correct": (det_link == fault) if fault else None}
+        return {"recipe": "ring4", "mode": "ddp", "checksum": checksum, "status": "ok", "ber": ber,
+                "fault_link": fault, "locate": {"scores": {d: det for d in detectors.DETECTORS}}}
+    # keep, 1e-5: 20 faults named at steps 0..19 (reported 1..20); keep, 1e-6: 5 named, 3 wrong, 12 no call
+    rows = [row(1e-5, "keep", "h3-h4", "h3-h4", s) for s in range(20)]
+    rows += [row(1e-6, "keep", "h3-h4", "h3-h4", s) for s in (4, 0, 2, 9, 1)]
+    rows += [row(1e-6, "keep", "h3-h4", "h4-h1", 3)] * 3 + [row(1e-6, "keep", "h3-h4", None)] * 12
+    rows += [row(0, "keep", None, None)] * 19 + [row(0, "keep", None, "h2-h3", 7)]  # one false alarm in 20
+    rows += [row(1e-5, "fix", "h2-h3", None)] * 4 + [row(0, "fix", None, None)] * 2
+    rows += [dict(row(1e-5, "keep", "h3-h4", None), status="crashed")]  # not scored
+    table = score_table(rows)
+    cells = {(t["checksum"], t["ber"]): t for t in table if t["detector"] == "timing"}
+    assert sorted(cells) == [("fix", 1e-5), ("keep", 1e-6), ("keep", 1e-5)]
+    hi = cells["keep", 1e-5]
+    assert (hi["faulty"], hi["correct"], hi["wrong"], hi["missed"], hi["ranked_first"]) == (20, 20, 0, 0, 20)
+    assert hi["correct_ci"] == (pytest.approx(0.025 ** (1 / 20)), 1.0)
+    assert hi["steps_median"] == 10.5 and hi["steps_ci"] == (6, 15)  # n = 20: ranks 6 and 15 (95.9 %)
+    lo = cells["keep", 1e-6]
+    assert (lo["faulty"], lo["correct"], lo["wrong"], lo["missed"]) == (20, 5, 3, 12)
+    assert lo["correct_ci"] == (pytest.approx(0.0866, abs=1e-4), pytest.approx(0.4910, abs=1e-4))
+    assert lo["steps"] == [1, 2, 3, 5, 10] and lo["steps_median"] == 3 and lo["steps_ci"] is None  # 5 < 6
+    for t in (hi, lo):  # the clean runs of keep, shared by both BERs
+        assert (t["clean"], t["false_alarms"]) == (20, 1)
+        assert t["false_alarm_ci"] == (pytest.approx(0.00127, abs=1e-5), pytest.approx(0.2487, abs=1e-4))
+    fix = cells["fix", 1e-5]
+    assert (fix["correct"], fix["missed"], fix["clean"], fix["false_alarms"]) == (0, 4, 2, 0)
+    assert fix["correct_ci"] == (0.0, pytest.approx(1 - 0.025 ** (1 / 4)))
+    assert fix["steps_median"] is None and fix["steps_ci"] is None
+    text = format_table(table)
+    assert "| ring4/ddp/keep | 1e-05 | timing | 20 | 20/20 [0.83, 1.00] | 0 | 0 | 20 | 10.5 [6, 15] | " \
+           "1/20 [0.00, 0.25] |" in text
+    assert "| ring4/ddp/keep | 1e-06 | timing | 20 | 5/20 [0.09, 0.49] | 3 | 12 | 5 | 3 [-] | " \
+           "1/20 [0.00, 0.25] |" in text
+    assert "| ring4/ddp/fix | 1e-05 | timing | 4 | 0/4 [0.00, 0.60] | 0 | 4 | 0 | - | 0/2 [0.00, 0.84] |" in text
+    assert "order-statistic" in "\n".join(locate_section(rows)) and locate_section(rows[-1:]) == []
+    assert median_interval([3] * 5) is None and median_interval([1, 2, 3, 4, 5, 6]) == (1, 6, 1 - 2 / 64)
+    assert median_interval(range(1, 11))[:2] == (2, 9)  # n = 10: ranks 2 and 9 (97.9 %)
 
 
 def test_fault_links_are_drawn_per_seed_and_applied_to_one_link():
@@ -219,6 +282,27 @@ def test_shipped_locate_experiment_is_valid():
     exp = Experiment.load(ROOT / "experiments" / "locate.yaml")
     assert exp.spec.fault is not None and all(exp.train_settings(p).monitor for p in exp.points())
     assert {exp.topology("ddp", r).name for r in exp.spec.grid.recipe} == {"ring4", "star8"}
+
+
+def test_shipped_heldout_experiment_scores_fresh_seeds():
+    """experiments/locate-heldout.yaml: ring4 and star8, keep and fix, BER 1e-7, 1e-6, 1e-5 and clean, at least 20
+    runs per cell, on seeds the detectors were never designed on (locate.yaml's)."""
+    held = Experiment.load(ROOT / "experiments" / "locate-heldout.yaml")
+    old = Experiment.load(ROOT / "experiments" / "locate.yaml")
+    g = held.spec.grid
+    assert {held.topology("ddp", r).name for r in g.recipe} == {"ring4", "star8"}
+    assert set(g.checksum) == {"keep", "fix"} and set(g.ber) == {0, 1e-7, 1e-6, 1e-5} and list(g.mode) == ["ddp"]
+    assert len(g.seed) >= 20 and not set(g.seed) & set(old.spec.grid.seed) and min(g.seed) > 100
+    cells: dict = {}
+    for p in held.points():
+        cells.setdefault((p.recipe, p.checksum, p.ber), []).append(p)
+        assert held.train_settings(p).monitor and (held.fault_link(p) is None) == (p.ber == 0)
+    assert len(cells) == 16 and all(len(v) >= 20 for v in cells.values())
+    header = (ROOT / "experiments" / "locate-heldout.yaml").read_text()
+    words = {k: f"{k} {' '.join(v) if isinstance(v, tuple) else format(v, 'g') if k != 'COUNTER_RATE' else v}"
+             for k, v in detectors.FROZEN["params"].items()}  # the header states the parameters scored
+    assert all(w in header for w in words.values()), words
+    assert detectors.FROZEN["commit"] in header
 
 
 # -- real runs ---------------------------------------------------------------------------------------------------

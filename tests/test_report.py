@@ -628,3 +628,38 @@ def test_a_report_without_evals_leaves_the_threshold_sections_out_and_counts_hos
                    "## Latency", "Verdicts:", "eval loss (mean ± sd)"):
         assert absent not in md, absent
     assert "| config | BER | seeds | status | skipped steps |" in md
+
+
+def test_a_locate_report_leads_with_its_detection_table_and_plot(tmp_path):
+    """A fault-localisation experiment (one link per faulty point at its BER): report.md opens with the detection
+    table per (config, BER), then the detection-vs-BER plot; the theory's comparisons, which assume every link at
+    the point's BER, are left out."""
+    def scores(ber, seed, fault):
+        named = fault if ber >= 1e-6 or seed % 2 else None  # 1e-7: half the faults named
+        det = {"detected": named is not None, "link": named, "step": seed if named else None, "top": named,
+               "correct": (named == fault) if fault else None, "false_alarm": None if fault else False}
+        return {"scores": {d: det for d in ("timing", "consistency", "counters")}}
+    rows = []
+    for rc, n in (("ring4", 4), ("star8", 8)):
+        for b in (0.0, 1e-7, 1e-6, 1e-5):
+            for s in range(1, 9):
+                fault = None if b == 0 else ("h1-h2" if rc == "ring4" else "h1-s1")
+                rows.append(make_row("ddp", b, s, checksum="keep", recipe=rc, final_eval_loss=None, world_size=n,
+                                     tokens_per_step=64 * n, fault_link=fault, locate=scores(b, s, fault)))
+    exp = {"name": "locate-heldout", "topologies": {"ddp": "ring4.yaml"}, "grid": {"recipe": ["ring4", "star8"]},
+           "recipes": {"ring4": {"topology": "ring4.yaml"}, "star8": {"topology": "star8.yaml"}}}
+    md = report.write_report(tmp_path, rows=rows, latency={"results": []}, experiment=exp).read_text()
+    sections = [line for line in md.splitlines() if line.startswith("## ")]
+    assert sections[0] == "## Fault localisation", sections
+    assert ("| ring4/ddp/keep | 1e-06 | timing | 8 | 8/8 [0.63, 1.00] | 0 | 0 | 8 | 5.5 [2, 9] | "
+            "0/8 [0.00, 0.37] |") in md
+    assert ("| star8/ddp/keep | 1e-07 | counters | 8 | 4/8 [0.16, 0.84] | 0 | 4 | 4 | 5 [-] | "
+            "0/8 [0.00, 0.37] |") in md
+    assert "![Fault localisation: detection time and rate vs BER](detection_vs_ber.png)" in md
+    assert md.index("## Fault localisation") < md.index("detection_vs_ber.png") < md.index("## Setup")
+    assert_valid_png(tmp_path / "detection_vs_ber.png")
+    for absent in ("## Summary", "## Thresholds", "## Weight deviation vs theory", "## Lost steps",
+                   "Theory vs measurement", "## Findings"):
+        assert absent not in md, absent
+    assert "theory's predictions" in md and "do not apply" in md
+    assert plots.plot_detection_vs_ber(make_rows(), tmp_path / "none.png") is None  # not a locate experiment

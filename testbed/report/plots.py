@@ -242,8 +242,9 @@ def _plot_mean_line(ax, rows: list[dict], field: str, color, label: str, clean_x
 
 def plot_eval_loss_vs_ber(rows: list[dict], path) -> Path | None:
     """Final eval loss vs BER (log x), a panel per mode; the clean runs are a horizontal band (min..max of the
-    seeds, line at the mean). Failed runs without an eval loss are marked at the top edge."""
-    if not any(ber_of(r) > 0 for r in rows):
+    seeds, line at the mean). Failed runs without an eval loss are marked at the top edge. None when no run
+    evaluates (e.g. locate.yaml: its report has no threshold section to show it)."""
+    if not any(ber_of(r) > 0 for r in rows) or not any(finite(r.get(EVAL_LOSS)) is not None for r in rows):
         return None
     all_configs = configs(rows)
     colors = config_colors(all_configs)
@@ -656,6 +657,69 @@ def plot_size_thresholds(fits: list[dict], path) -> Path | None:
                      "through every interval)", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="lower left")
+    return save_figure(fig, path)
+
+
+DETECTOR_COLORS = {"timing": "tab:blue", "consistency": "tab:orange", "counters": "tab:green"}
+TOPOLOGY_MARKERS = ("o", "s", "^", "D", "v")
+
+
+def plot_detection_vs_ber(rows: list[dict], path) -> Path | None:
+    """(Drawn by the report's fault-localisation section, only for experiments with monitored points.) A
+    fault-localisation experiment (testbed/locate/scores.py): left, the median step of the first correct call
+    against the faulty link's BER (log x), error bars its order-statistic 95 % interval (none drawn with fewer than
+    6 correct calls: open marker); right, the top-1 detection rate with its Clopper-Pearson 95 % interval. One line
+    per (topology, checksum, detector): a color per detector, solid keep / dashed fix, a marker per topology."""
+    from testbed.locate.scores import score_table
+
+    table = [t for t in score_table(rows) if t["ber"] > 0]
+    if not table:
+        return None
+    lines: dict[tuple, list[dict]] = {}
+    for t in table:
+        lines.setdefault((t["recipe"], t["mode"], t["checksum"], t["detector"]), []).append(t)
+    topologies = sorted({k[0] for k in lines}, key=str)
+    multi_mode = len({k[1] for k in lines}) > 1
+    fig, (ax_t, ax_r) = _figure(2, width=6.5, height=5.0)
+    ordered = sorted(lines.items(), key=lambda kv: tuple(map(str, kv[0])))
+    for i, ((recipe, mode, checksum, detector), ts) in enumerate(ordered):
+        ts = sorted(ts, key=lambda t: t["ber"])
+        dodge = 1.06 ** (i - (len(lines) - 1) / 2)  # side by side at one BER (log axis: a factor per line)
+        style = dict(color=DETECTOR_COLORS.get(detector, "gray"), linestyle="-" if checksum == "keep" else "--",
+                     marker=TOPOLOGY_MARKERS[topologies.index(recipe) % len(TOPOLOGY_MARKERS)], capsize=3,
+                     markersize=5)
+        label = f"{recipe}{' ' + mode_name(mode) if multi_mode else ''} {checksum}: {detector}"
+        timed = [t for t in ts if t["steps_median"] is not None]
+        if timed:
+            xs = [t["ber"] * dodge for t in timed]
+            ys = [t["steps_median"] for t in timed]
+            err = [[y - t["steps_ci"][0] if t["steps_ci"] else 0 for y, t in zip(ys, timed)],
+                   [t["steps_ci"][1] - y if t["steps_ci"] else 0 for y, t in zip(ys, timed)]]
+            ax_t.errorbar(xs, ys, yerr=err, label=label, **style)
+            bare = [(x, y) for x, y, t in zip(xs, ys, timed) if not t["steps_ci"]]
+            if bare:
+                ax_t.plot(*zip(*bare), linestyle="", marker=style["marker"], markersize=8, markerfacecolor="white",
+                          color=style["color"])
+        rate = [t["correct"] / t["faulty"] for t in ts]
+        ax_r.errorbar([t["ber"] * dodge for t in ts], rate,
+                      yerr=[[y - t["correct_ci"][0] for y, t in zip(rate, ts)],
+                            [t["correct_ci"][1] - y for y, t in zip(rate, ts)]], label=label, **style)
+    bers = sorted({t["ber"] for t in table})
+    for ax in (ax_t, ax_r):
+        ax.set_xscale("log")
+        ax.set_xlim(bers[0] / 3, bers[-1] * 3)
+        ax.set_xlabel("BER of the faulty link (per bit)")
+        ax.grid(alpha=0.3, which="both")
+    ax_t.set_ylabel("step of the first correct call (median; 1 = after the first step)")
+    ax_t.set_title("detection time vs BER (95 % order-statistic interval;\nopen marker: < 6 correct calls, no "
+                   "interval)", fontsize=10)
+    ax_r.set_ylim(-0.03, 1.03)
+    ax_r.set_ylabel("top-1 detection rate (correct calls / faulty runs)")
+    ax_r.set_title("detection rate vs BER (95 % Clopper-Pearson)", fontsize=10)
+    handles, labels = ax_r.get_legend_handles_labels()
+    ax_r.legend(handles, labels, fontsize=7, loc="best")
+    if ax_t.get_legend_handles_labels()[0]:
+        ax_t.legend(fontsize=7, loc="best")
     return save_figure(fig, path)
 
 

@@ -584,11 +584,17 @@ def theory_latency_section(latency: dict | None) -> list[str]:
 # Report
 # ---------------------------------------------------------------------------------------------------------------
 
+# the plots of the sections that compare with the theory (left out with one_link_faults)
+THEORY_PLOTS = ("deviation_vs_ber.png", "divergence_vs_ber.png", "lost_vs_theory.png")
+
+
 def _draw_plots(out_dir: Path, rows: list[dict], latency: dict | None) -> dict[str, Path | None | str]:
     """Every plot; a plot that raises becomes an error string in the report instead of losing the report (it is
     written at the end of a long run)."""
     drawn = {}
     for name, (fn, source) in plots.PLOTS.items():
+        if name in THEORY_PLOTS and one_link_faults(rows):
+            continue  # their sections are left out (one_link_faults)
         try:
             drawn[name] = fn(rows if source == "rows" else latency, out_dir / name)
         except Exception as e:  # noqa: BLE001 - reported below, with the traceback on stderr
@@ -620,6 +626,22 @@ def _plot_line(name: str, drawn: dict) -> str:
     if isinstance(result, str):
         return f"*{title}: the plot could not be drawn ({result}).*"
     return f"*{title}: not drawn, {missing}.*"
+
+
+LOCATE_PLOT, LOCATE_PLOT_TITLE = "detection_vs_ber.png", "Fault localisation: detection time and rate vs BER"
+
+
+def _locate_plot_line(rows: list[dict], out_dir: Path) -> str | None:
+    """The detection-vs-BER plot of a fault-localisation experiment (into out_dir) as report.md's line; None
+    when no row was monitored (no locate section)."""
+    if not any(r.get("locate") for r in rows):
+        return None
+    try:
+        drawn = plots.plot_detection_vs_ber(rows, out_dir / LOCATE_PLOT)
+    except Exception as e:  # noqa: BLE001 - the report of a long run must not be lost to a plot
+        traceback.print_exc(file=sys.stderr)
+        return f"*{LOCATE_PLOT_TITLE}: the plot could not be drawn ({type(e).__name__}: {e}).*"
+    return f"![{LOCATE_PLOT_TITLE}]({LOCATE_PLOT})" if drawn else f"*{LOCATE_PLOT_TITLE}: not drawn, no faulty run.*"
 
 
 def _timestamp(value) -> str:
@@ -853,6 +875,13 @@ def summary_section(rows: list[dict], th: dict, tolerance: float, source: str) -
     return out + [""]
 
 
+def one_link_faults(rows: list[dict]) -> bool:
+    """An experiment with a `fault:` (docs/locate.md): one link per point carries its BER, the others the
+    background. The theory's predictions (weight deviation, lost steps: every link and hop at the point's BER)
+    do not describe it, so the report leaves its comparisons with them out."""
+    return any(r.get("fault_link") for r in rows)
+
+
 def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]:
     """The answers users look for first, each a sentence from the sections below."""
     out = ["## Findings", ""]
@@ -865,7 +894,7 @@ def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]
     ords = orderings(th)
     if ords:
         out += ["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)]
-    comp = theory_comparison(agg)
+    comp = [] if one_link_faults(rows) else theory_comparison(agg)
     off = [line for line in disagreements(comp, _comp_configs(comp)) if "disagrees" in line]
     if comp:
         out.append("- Theory vs measurement: " + (f"{len(off)} disagreement(s), listed under \"Lost steps, "
@@ -890,9 +919,14 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     """report.md: the one-screen summary first (a locate experiment's detection table, the threshold table with
     the paper's numbers and three sentences), then the details; a section that does not apply is left out."""
     name = exp.get("name") or next((r.get("experiment") for r in rows if r.get("experiment")), None) or out_dir.name
-    fits = deviation_fits(rows)
+    faults = one_link_faults(rows)
+    fits = {} if faults else deviation_fits(rows)
     md = [f"# Experiment {name}: bit errors in distributed GPT-2 training", ""]
-    md += locate_section(rows)  # experiments with monitored points (docs/locate.md): their summary; [] otherwise
+    # experiments with monitored points (docs/locate.md): their detection table and plot lead; [] otherwise
+    md += locate_section(rows, _locate_plot_line(rows, out_dir))
+    if faults:
+        md += ["One link per faulty point carries its BER, so the theory's predictions (weight deviation, lost "
+               "steps: every link at the point's BER) do not apply and their sections are left out.", ""]
     md += summary_section(rows, th, tolerance, tol_source)
     md += _findings(rows, agg, th, fits, latency)
     md += _setup_section(rows, exp, latency, tolerance, tol_source, source)
@@ -917,7 +951,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     if fits:
         md += deviation_section(rows, fits)
         md += [_plot_line("deviation_vs_ber.png", drawn), "", _plot_line("divergence_vs_ber.png", drawn), ""]
-    if theory_comparison(agg):
+    if theory_comparison(agg) and not faults:
         md += theory_section(agg, _plot_line("lost_vs_theory.png", drawn))
     if agg:
         md += ["## Step time and skipped updates", "", _plot_line("step_time_vs_ber.png", drawn), "",
