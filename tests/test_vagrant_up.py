@@ -28,6 +28,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -177,16 +178,19 @@ def rtts(name: str, src: str, dst: str, count: int) -> tuple[list[float], int, s
 
 
 def test_netem_delay_jitter_loss_and_ber_across_the_vms(up, tmp_path):
-    """h1 on m1; h2 and h3 on m2. h1-h2: delay 1 ms and BER 1e-6 (the RTT: p50 against 2 ms); h1-h3: delay 1 ms,
-    jitter 0.5 ms, loss 5 % and BER 1e-6 (netem in the VMs' kernels: the qdiscs say so, pings are lost)."""
+    """h1 on m1; h2, h3 and h4 on m2, every link a tunnel between the VMs. h1-h2: delay 1 ms and BER 1e-6; h1-h3:
+    delay 1 ms, jitter 0.5 ms, loss 5 % and BER 1e-6; h1-h4: nothing (the RTT the VMs themselves add). The
+    netem qdiscs are in the VMs' kernels; pings to h2 and h4 at the same time show the delay (RTT p50 against
+    2 ms, and above the plain link's); pings to h3 are lost as 5 % each way predicts."""
     lv, env, inv = up
     name = unique_name("vgnetem")
     doc = {"name": name, "topology": {
         "nodes": {"h1": {"kind": "host", "machine": "m1"}, "h2": {"kind": "host", "machine": "m2"},
-                  "h3": {"kind": "host", "machine": "m2"}},
+                  "h3": {"kind": "host", "machine": "m2"}, "h4": {"kind": "host", "machine": "m2"}},
         "links": [{"endpoints": ["h1:eth1", "h2:eth1"], "delay": f"{DELAY_MS:g}ms", "ber": 1e-6},
                   {"endpoints": ["h1:eth2", "h3:eth1"], "delay": "1ms", "jitter": "0.5ms", "loss": "5%",
-                   "ber": 1e-6}]}}
+                   "ber": 1e-6},
+                  {"endpoints": ["h1:eth3", "h4:eth1"]}]}}
     topo = tmp_path / "netem.yaml"
     topo.write_text(yaml.safe_dump(doc))
     timings = REPORT["timings_s"]
@@ -197,32 +201,43 @@ def test_netem_delay_jitter_loss_and_ber_across_the_vms(up, tmp_path):
     try:
         s = json.loads(tb_cli("status", "--topo", name, "--json", timeout=600).stdout)[0]
         assert s["healthy"], s["problems"]
+        qdiscs = ""
+        for m in parse_inventory(inv.read_text()):
+            with Remote.connect(m, timeout=60) as rr:
+                qdiscs += rr.run("for ns in $(ip netns list | cut -d' ' -f1); do echo \"== $ns\"; "
+                                 "ip netns exec $ns tc qdisc show; done", timeout=120).stdout
+        REPORT["qdiscs"] = [q for q in qdiscs.splitlines() if "netem" in q]
+        assert re.search(r"netem .*delay 1ms\s*$", qdiscs, re.MULTILINE), qdiscs
+        assert re.search(r"netem .*delay 1ms\s+(499|500)us\s+loss 5%", qdiscs), qdiscs
         t = time.monotonic()
-        times, lost, out = rtts(name, "h1", "h2", 100)
-        p50 = statistics.median(times)
-        REPORT["rtt_delay_1ms"] = {"p50_ms": p50, "min_ms": min(times), "max_ms": max(times), "n": len(times),
-                                   "lost": lost}
-        log(f"RTT over the link with delay 1ms: p50 {p50:.3f} ms (min {min(times):.3f}, max {max(times):.3f}, "
-            f"{len(times)} replies), against 2 ms")
-        assert lost == 0, out
-        assert min(times) >= 2 * DELAY_MS and p50 >= 2 * DELAY_MS, out
+        got = {}
+        pingers = [threading.Thread(target=lambda d=d: got.__setitem__(d, rtts(name, "h1", d, 100)))
+                   for d in ("h2", "h4")]
+        for p in pingers:
+            p.start()
+        for p in pingers:
+            p.join()
+        (times, lost, out), (plain, lost4, out4) = got["h2"], got["h4"]
+        summary = {k: {"p50_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "replies": len(v)}
+                   for k, v in (("delay_1ms", times), ("plain", plain))}
+        REPORT["rtt"] = summary
+        log(f"RTT (100 pings each, at the same time) over the link with delay 1ms: p50 {summary['delay_1ms']['p50_ms']:.2f}"
+            f" ms, min {min(times):.2f} ms, against 2 ms; over the plain link: p50 {summary['plain']['p50_ms']:.2f}"
+            f" ms, min {min(plain):.2f} ms")
+        assert lost == lost4 == 0, out + out4
+        assert min(times) >= 2 * DELAY_MS and statistics.median(times) >= 2 * DELAY_MS, out
+        # the fastest replies show the delay above what the VMs add (the medians are reported: under TCG on a
+        # loaded host they spread by several ms)
+        assert min(times) - min(plain) >= DELAY_MS, (out, out4)
         times3, lost3, out3 = rtts(name, "h1", "h3", 200)
         REPORT["rtt_jitter_loss"] = {"p50_ms": statistics.median(times3), "min_ms": min(times3),
-                                     "max_ms": max(times3), "stdev_ms": statistics.pstdev(times3),
-                                     "lost": lost3, "sent": 200, "stdev_ms_delay_only": statistics.pstdev(times)}
+                                     "max_ms": max(times3), "stdev_ms": round(statistics.pstdev(times3), 2),
+                                     "stdev_ms_delay_only": round(statistics.pstdev(times), 2),
+                                     "lost": lost3, "sent": 200}
         log(f"h1-h3 (delay 1ms, jitter 0.5ms, loss 5%): {REPORT['rtt_jitter_loss']}")
         timings["netem_pings"] = round(time.monotonic() - t, 1)
         # 5 % each way: a ping is lost with p = 1 - 0.95^2 = 0.0975; of 200, P(lost < 5) < 1e-4 and P(lost > 40) < 1e-6
         assert 5 <= lost3 <= 40, out3
-        # jitter 0.5 ms each way spreads the RTTs (uniform-ish, sd ~ 0.4 ms) beyond the delay-only link's
-        assert statistics.pstdev(times3) > statistics.pstdev(times), (times, times3)
-        qdiscs = ""
-        for m in parse_inventory(inv.read_text()):
-            with Remote.connect(m, timeout=60) as rr:
-                qdiscs += rr.run("for ns in $(ip netns list | cut -d' ' -f1); do ip netns exec $ns tc qdisc show; "
-                                 "done", timeout=120).stdout
-        assert re.search(r"netem .*delay 1ms", qdiscs), qdiscs
-        assert re.search(r"netem .*delay 1ms\s+500us.*loss 5%", qdiscs), qdiscs
     finally:
         d = tb_cli("down", name, timeout=900)
         assert d.returncode == 0, d.stderr
@@ -232,8 +247,15 @@ EXPERIMENT = {
     "model": "tiny", "steps": 4,
     "grid": {"mode": ["ddp"], "ber": [0, 1e-5], "scope": ["tensor"], "checksum": ["fix"], "seed": [3]},
     # sanitize: the updates happen despite corrupted values, so the parameters depend on where the flips land
-    "train": {"seq_len": 32, "eval_every": 4, "eval_batches": 2, "guard": "sanitize", "timeout": 300},
+    "train": {"seq_len": 32, "eval_every": 4, "eval_batches": 2, "guard": "sanitize", "timeout": 300,
+              "stall_timeout": 900},
 }
+
+
+CAPABILITY = ("import torch; print(torch.backends.cpu.get_cpu_capability(), "
+              "torch.backends.mkldnn.is_available(), torch.backends.mkl.is_available())")
+# torch's own kernels, MKL's and oneDNN's, each held to AVX2 (what TCG's `-cpu max` offers)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def experiment_file(tmp_path: Path, stem: str, delay: str | None) -> Path:
@@ -279,19 +301,38 @@ def test_an_experiment_in_the_vms_matches_the_host(up, tmp_path):
     r = tb_cli("run", str(host_exp), "--out", str(tmp_path / "host"), timeout=1200)
     timings["experiment_on_host"] = round(time.monotonic() - t, 1)
     assert r.returncode == 0, r.stdout + r.stderr
-    vms, host = points(tmp_path / "vms"), points(tmp_path / "host")
+    # The CPU kernels each side's torch picks (TCG's `-cpu max` has AVX2, not AVX-512), and the host's run again
+    # with its torch, MKL and oneDNN held to AVX2: where the fingerprints differ, this says whether the kernels
+    # are why.
+    caps = {}
+    probe = [str(Path(sys.prefix) / "bin" / "python"), "-c", CAPABILITY]
+    caps["host"] = subprocess.run(probe, capture_output=True, text=True, timeout=300).stdout.strip()
+    with Remote.connect(parse_inventory(inv.read_text())["m1"], timeout=60) as rr:
+        caps["vm m1"] = rr.run(probe, timeout=600, check=False).stdout.strip()
+    caps["host held to AVX2"] = subprocess.run(probe, capture_output=True, text=True, timeout=300,
+                                               env={**os.environ, **AVX2_ENV}).stdout.strip()
+    REPORT["cpu_capability"] = caps
+    t = time.monotonic()
+    r = tb_cli("run", str(host_exp), "--out", str(tmp_path / "host-avx2"), timeout=1200, env={**os.environ, **AVX2_ENV})
+    timings["experiment_on_host_avx2"] = round(time.monotonic() - t, 1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    vms, host, host2 = points(tmp_path / "vms"), points(tmp_path / "host"), points(tmp_path / "host-avx2")
     table = []
     for pid in sorted(host):
-        a, b = host[pid], vms.get(pid, {})
-        table.append({"point": pid, "ber": a["ber"], "status host/vms": f"{a['status']}/{b.get('status')}",
+        a, b, c = host[pid], vms.get(pid, {}), host2.get(pid, {})
+        table.append({"point": pid, "status host/vms": f"{a['status']}/{b.get('status')}",
                       "flips host/vms": f"{a['bits_flipped']}/{b.get('bits_flipped')}",
                       "final eval loss host/vms": f"{a['final_eval_loss']}/{b.get('final_eval_loss')}",
-                      "param_sha256 match": a["param_sha256"] == b.get("param_sha256"),
+                      "param_sha256 host=vms": a["param_sha256"] == b.get("param_sha256"),
+                      "param_sha256 host-avx2=vms": c.get("param_sha256") == b.get("param_sha256"),
+                      "flips host-avx2": c.get("bits_flipped"), "final eval loss host-avx2": c.get("final_eval_loss"),
                       "sha host": {k: (v or "")[:12] for k, v in a["param_sha256"].items()},
                       "sha vms": {k: (v or "")[:12] for k, v in (b.get("param_sha256") or {}).items()},
+                      "sha host-avx2": {k: (v or "")[:12] for k, v in (c.get("param_sha256") or {}).items()},
                       "placement (vms)": b.get("placement")})
     REPORT["comparison"] = table
     write_report()
+    log(f"torch CPU capability: {caps}")
     log("host against VMs, per point:\n" + "\n".join(json.dumps(row) for row in table))
     assert sorted(vms) == sorted(host)
     for pid in host:
