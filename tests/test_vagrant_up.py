@@ -56,15 +56,17 @@ def log(msg: str) -> None:
 
 
 def guest_testbed() -> str:
-    """The testbed command the VMs run from the shares: this venv's script when the venv belongs to this checkout
-    (a clean clone: .venv inside it); otherwise (a checkout put first on PYTHONPATH over another editable
-    install) the venv's Python with that checkout on PYTHONPATH."""
+    """The testbed command the VMs run from the shares: this venv's script, at the same path. The venv must be this
+    checkout's own (`make test-vagrant`: .venv inside it): another venv's editable install points at another
+    checkout, which is not shared, and the controller runs the machines' Python beside that script
+    (cluster.python_of), so a PYTHONPATH in front of it would not reach the workers."""
     import testbed
 
     checkout = Path(testbed.__file__).resolve().parent.parent
-    if Path(sys.prefix).resolve().parent == checkout:
-        return vm.guest_testbed()
-    return f"env PYTHONPATH={checkout} {Path(sys.prefix) / 'bin' / 'python'} -m testbed"
+    if Path(sys.prefix).resolve().parent != checkout:
+        pytest.skip(f"the venv {sys.prefix} is not this checkout's ({checkout}/.venv): run `make test-vagrant` "
+                    "in the checkout (the VMs run the shared venv's testbed)")
+    return vm.guest_testbed()
 
 
 def write_report() -> None:
@@ -74,6 +76,7 @@ def write_report() -> None:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
+    testbed_cmd = guest_testbed()
     mp = pytest.MonkeyPatch()
     # The controller keeps its state in a directory of its own (as in test_vms): a failed run leaves no record here
     # pointing at VMs that are gone.
@@ -111,7 +114,7 @@ def up(tmp_path_factory):
                 machines_ssh.write_text(lv.ssh_config(str(ROOT), env=env))
                 inv = machines_ssh.with_name("machines.yaml")
                 conv = tb_cli("machines", "from-ssh-config", str(machines_ssh), "--user", "root",
-                              "--underlay-iface", "eth1", "--testbed", guest_testbed())
+                              "--underlay-iface", "eth1", "--testbed", testbed_cmd)
                 assert conv.returncode == 0, conv.stderr
                 inv.write_text(conv.stdout)
                 yield lv, env, inv
@@ -207,6 +210,15 @@ def test_netem_delay_jitter_loss_and_ber_across_the_vms(up, tmp_path):
                 qdiscs += rr.run("for ns in $(ip netns list | cut -d' ' -f1); do echo \"== $ns\"; "
                                  "ip netns exec $ns tc qdisc show; done", timeout=120).stdout
         REPORT["qdiscs"] = [q for q in qdiscs.splitlines() if "netem" in q]
+        with Remote.connect(parse_inventory(inv.read_text())["m1"], timeout=60) as rr:
+            # what netem's timers run on in the guest (its delay is only as fine as its hrtimers)
+            REPORT["guest_timers"] = rr.run(
+                "cat /sys/devices/system/clocksource/clocksource0/current_clocksource; "
+                "grep -m1 -o 'hres_active *: *[0-9]' /proc/timer_list; grep -m1 'Clock Event Device' -A1 "
+                "/proc/timer_list | tail -1; grep '^CONFIG_HZ=' /boot/config-$(uname -r); "
+                "grep -o -w -e avx2 -e avx512f -e fma -m1 /proc/cpuinfo | sort -u | tr '\\n' ' '",
+                timeout=120, check=False).stdout.split("\n")
+        log(f"guest timers: {REPORT['guest_timers']}")
         assert re.search(r"netem .*delay 1ms\s*$", qdiscs, re.MULTILINE), qdiscs
         assert re.search(r"netem .*delay 1ms\s+(499|500)us\s+loss 5%", qdiscs), qdiscs
         t = time.monotonic()
