@@ -290,9 +290,9 @@ def points(out: Path) -> dict:
         for f in sorted((out / row["run_dir"]).glob("metrics-rank*.jsonl")):
             last = [json.loads(x) for x in f.read_text().splitlines() if x.strip()][-1]
             shas[f.stem.removeprefix("metrics-")] = last.get("param_sha256")
-        got[row["point"]] = {"ber": row["ber"], "status": row["status"], "bits_flipped": row["bits_flipped"],
-                              "final_eval_loss": row["final_eval_loss"], "param_sha256": shas,
-                              "placement": row.get("placement")}
+        got[row["point"]] = {"ber": row["ber"], "status": row["status"], "reason": row.get("reason"),
+                              "bits_flipped": row.get("bits_flipped"), "final_eval_loss": row.get("final_eval_loss"),
+                              "param_sha256": shas, "placement": row.get("placement")}
     return got
 
 
