@@ -296,6 +296,27 @@ def points(out: Path) -> dict:
     return got
 
 
+def seed_training_data(inv: Path) -> list[str]:
+    """The VMs have no way out, and `python -m testbed.train.data` fetches its corpus once with pip: prepare it
+    here, then copy what it made (the corpus, the tokenizers, the tokens) into each VM's cache, where it finds
+    them as on any machine that prepared them before."""
+    from testbed.train.data import cache_dir
+
+    r = subprocess.run([sys.executable, "-m", "testbed.train.data", "--model", EXPERIMENT["model"]],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    src = cache_dir()
+    files = [p for d in ("downloads", "corpus", "tokenizers", "tokens") for p in sorted((src / d).glob("*"))
+             if p.is_file()]
+    for m in parse_inventory(inv.read_text()):
+        with Remote.connect(m, timeout=60) as rr:
+            dest = rr.run("echo ${TESTBED_CACHE:-$HOME/.cache/testbed}").stdout.strip()
+            for p in files:
+                rr.makedirs(f"{dest}/{p.parent.name}")
+                rr.put(p, f"{dest}/{p.parent.name}/{p.name}")
+    return [f"{p.parent.name}/{p.name}" for p in files]
+
+
 def test_an_experiment_in_the_vms_matches_the_host(up, tmp_path):
     """The same experiment with its hosts in the two VMs (link delay 1 ms: timing only) and on this host (netns,
     no delay: this kernel has no netem): the same points, all ok, the same flips; eval losses and parameter
@@ -304,6 +325,9 @@ def test_an_experiment_in_the_vms_matches_the_host(up, tmp_path):
     timings = REPORT["timings_s"]
     vm_exp = experiment_file(tmp_path, "vms", f"{DELAY_MS:g}ms")
     host_exp = experiment_file(tmp_path, "host", None)
+    t = time.monotonic()
+    REPORT["training_data_copied"] = seed_training_data(inv)
+    timings["training_data_copy"] = round(time.monotonic() - t, 1)
     t = time.monotonic()
     r = tb_cli("run", str(vm_exp), "--out", str(tmp_path / "vms"), "--machines", str(inv), timeout=3000)
     timings["experiment_in_vms"] = round(time.monotonic() - t, 1)
