@@ -106,8 +106,10 @@ vagrant-deps:
 vagrant-box: deps vagrant-deps
 	$(PY) -m testbed.machines.vagrantbox build --add
 
-# vagrant up (one VM, libvirt in a namespace of its own, TCG where KVM does not work) with that box; ~2 min with the
-# box cached. Outside `make test`.
+# Issue 24 end to end: that box, libvirt in a namespace of its own, `vagrant up` of two VMs (TCG where KVM does not
+# work) with shared provisioning (this checkout and its Python over 9p: nothing installed, no way out needed), a
+# topology with netem across them, and a small experiment in the VMs compared with the same one on this host;
+# everything removed afterwards. ~15-25 min on 2 cores with the box cached (docs/machines.md). Outside `make test`.
 test-vagrant: deps vagrant-deps
 	$(PY) -m pytest -q -rA -s -m vagrant $(PYTEST_ARGS) tests/test_vagrant_up.py
 

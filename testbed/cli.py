@@ -265,7 +265,7 @@ def cmd_machines_from_ssh_config(args) -> int:
 
     text = sys.stdin.read() if args.file == "-" else open(args.file).read()
     print(inventory_from_ssh_config(text, "<stdin>" if args.file == "-" else args.file,
-                                    underlay_iface=args.underlay_iface, user=args.user), end="")
+                                    underlay_iface=args.underlay_iface, user=args.user, testbed=args.testbed), end="")
     return 0
 
 
@@ -385,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "`vagrant`; the testbed needs root: --user root)")
     ms.add_argument("--underlay-iface", metavar="IFACE", help="interface of every machine that carries the "
                     "tunnels (Vagrant's private network: eth1 on Debian boxes); default: the route to the others")
+    ms.add_argument("--testbed", metavar="CMD", help="the testbed command on every machine (default `testbed` on "
+                    "its PATH), e.g. the controller's venv shared into the VMs at the same path "
+                    "(TESTBED_VM_SHARE in the Vagrantfile)")
     ms.set_defaults(fn=cmd_machines_from_ssh_config)
 
     # used by the controller over SSH (testbed/machines/cluster.py); not for people

@@ -88,17 +88,22 @@ def add_vxlan(ns: str, ifname: str, vni: int, remotes: list[str], port: int, mtu
     head-end replication to each (all-zero fdb entries), MACs learnt as on a switch."""
     import pyroute2
 
+    # Created under a name of its own, renamed inside the namespace: older kernels (Debian 12's 6.1) refuse a new
+    # device whose name exists in the creating namespace even when it is made in another one ("File exists"), and
+    # the machine's own interfaces are often named like the topology's (a Vagrant VM's eth1).
+    tmp = f"tbvx{vni:06x}"
     with pyroute2.IPRoute() as ip:
         kw = {"vxlan_group": remotes[0]} if len(remotes) == 1 else {}
         try:
-            ip.link("add", ifname=ifname, kind="vxlan", vxlan_id=vni, vxlan_port=port, net_ns_fd=ns, **kw)
+            ip.link("add", ifname=tmp, kind="vxlan", vxlan_id=vni, vxlan_port=port, net_ns_fd=ns, **kw)
         except NetlinkError as e:
             if e.code == 17:  # EEXIST: another tunnel of this machine has the same VNI on the same port
                 raise RuntimeError(f"VXLAN VNI {vni} on UDP port {port} is already in use on this machine (another "
                                    "topology between the same machines?): choose another --name or --vxlan-port") from None
             raise
     with _netns(ns) as n:
-        idx = n.link_lookup(ifname=ifname)[0]
+        idx = n.link_lookup(ifname=tmp)[0]
+        n.link("set", index=idx, ifname=ifname)
         if len(remotes) > 1:
             for r in remotes:
                 n.fdb("append", ifindex=idx, lladdr="00:00:00:00:00:00", dst=r)

@@ -340,3 +340,13 @@ def test_vagrant_ssh_config_is_not_checked():
     for m in parse_inventory(text):
         assert (m.host_key_check, m.known_hosts, m.user, m.underlay_iface) == (False, "/dev/null", "root", "eth1")
     assert "host_key_check: false, known_hosts: /dev/null" in text
+
+
+def test_ssh_config_conversion_sets_the_testbed_command():
+    """--testbed (the controller's venv shared into Vagrant VMs at the same path) reaches every machine; an empty
+    one is refused."""
+    cmd = "/work/x/.venv/bin/python -m testbed"
+    for m in parse_inventory(inventory_from_ssh_config(VAGRANT, user="root", testbed=cmd)):
+        assert (m.testbed, m.testbed_argv) == (cmd, ["/work/x/.venv/bin/python", "-m", "testbed"])
+    with pytest.raises(InputError, match="testbed: is empty"):
+        inventory_from_ssh_config(VAGRANT, testbed=" ")

@@ -67,6 +67,10 @@ def test_validate(tmp_path, settings, machines):
     ("TESTBED_VM_MEMORY", "4G"),
     ("TESTBED_VM_NET", "192.168.300"),
     ("TESTBED_VM_ACCEL", "hvf"),
+    ("TESTBED_VM_SHARE", "relative/dir"),
+    ("TESTBED_VM_SHARE", "/usr"),
+    ("TESTBED_VM_SHARE", "/no/such/dir"),
+    ("TESTBED_VM_PROVISION", "offline"),
 ])
 def test_validate_rejects_bad_setting(tmp_path, name, value):
     r = vagrant_validate(tmp_path, **{name: value})
@@ -97,7 +101,8 @@ def test_local_box_is_the_fallback(tmp_path, boxes, settings, local):
 def test_vagrantfile_provisions_what_the_testbed_needs():
     """What `vagrant validate` cannot see: the provisioning script's content, and the usage in the header."""
     text = VAGRANTFILE.read_text()
-    for needed in ("make -C /testbed deps", "modprobe sch_netem", "/etc/modules-load.d/testbed.conf",
+    for needed in ("make -C /testbed deps", "modprobe sch_netem", "modprobe vxlan", "/etc/modules-load.d/testbed.conf",
+                   'type: "9p", readonly: true', "TESTBED_VM_SHARE=", "TESTBED_VM_PROVISION",
                    "ln -sfn /testbed/.venv/bin/testbed /usr/local/bin/testbed",
                    "/home/vagrant/.ssh/authorized_keys /root/.ssh/authorized_keys",
                    "config.vm.provider :libvirt", "config.vm.provider :virtualbox",
@@ -105,3 +110,13 @@ def test_vagrantfile_provisions_what_the_testbed_needs():
                    "testbed machines from-ssh-config machines.ssh --user root --underlay-iface eth1 > machines.yaml",
                    "testbed up topologies/ring4.yaml --machines machines.yaml"):
         assert needed in text, needed
+
+
+@needs_vagrant
+def test_shared_provisioning_needs_shared_directories(tmp_path):
+    """TESTBED_VM_PROVISION=shared installs nothing: without TESTBED_VM_SHARE (the host directories the VMs run the
+    testbed from) it is refused. (A valid TESTBED_VM_SHARE is not validated here: `vagrant validate
+    --ignore-provider` asks vagrant-libvirt's 9p synced folder whether it is usable, which needs a libvirt
+    connection; `make test-vagrant` brings VMs up with it for real.)"""
+    r = vagrant_validate(tmp_path, TESTBED_VM_PROVISION="shared")
+    assert r.returncode != 0 and 'TESTBED_VM_PROVISION="shared" needs TESTBED_VM_SHARE' in r.stderr, r.stderr

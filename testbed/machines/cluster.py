@@ -71,6 +71,9 @@ def _raise_first(results: list, what: str) -> None:
         raise errors[0]
 
 
+MACHINE_INFO_TIMEOUT_S = 120.0
+
+
 def machine_view(remote, machine, peers: list[str]) -> MachineView:
     """Ask `machine` how tunnels reach it (`testbed machine-info`)."""
     args = ["machine-info", "--json"]
@@ -78,7 +81,9 @@ def machine_view(remote, machine, peers: list[str]) -> MachineView:
         args += ["--iface", machine.underlay_iface]
     for p in peers:
         args += ["--peer", p]
-    info = json.loads(remote.testbed(args, timeout=30).stdout)
+    # as long as the version check allows a testbed start: on an emulated (TCG) VM of a loaded host, measured
+    # over 30 s
+    info = json.loads(remote.testbed(args, timeout=MACHINE_INFO_TIMEOUT_S).stdout)
     return MachineView(name=machine.name, address=info.get("address") or machine.address, mtu=int(info["mtu"]))
 
 

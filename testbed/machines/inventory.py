@@ -313,16 +313,20 @@ _SSH_KEYWORDS = {"hostname": "address", "user": "user", "port": "port", "identit
 
 
 def inventory_from_ssh_config(text: str, path: str = "<ssh-config>", underlay_iface: str | None = None,
-                              user: str | None = None) -> str:
+                              user: str | None = None, testbed: str | None = None) -> str:
     """The machines file (YAML) equivalent to an OpenSSH client config; InputError if an entry is unusable.
     `underlay_iface` is set on every machine: the interface the tunnels use when the SSH address is not one
     the machines reach each other at (Vagrant: SSH to a forwarded or management address, tunnels over the
     private network, eth1 on Debian boxes). `user` replaces every entry's user (Vagrant lists `vagrant`; the
-    testbed needs root, which the Vagrantfile lets log in with the same key)."""
+    testbed needs root, which the Vagrantfile lets log in with the same key). `testbed` replaces every machine's
+    testbed command (default `testbed` on its PATH; e.g. the controller's own venv, shared into the VMs at the
+    same path)."""
     import dataclasses
 
     inv = _from_ssh_config(text, path)
-    changes = {k: v for k, v in (("underlay_iface", underlay_iface), ("user", user)) if v}
+    if testbed is not None and not testbed.strip():
+        raise InputError(path, [("testbed", "is empty (leave it out for `testbed` on the machines' PATH)")])
+    changes = {k: v for k, v in (("underlay_iface", underlay_iface), ("user", user), ("testbed", testbed)) if v}
     inv.machines = {n: dataclasses.replace(m, **changes) for n, m in inv.machines.items()}
     return (f"# machines converted from an OpenSSH client config ({path})\n" if not path.startswith("<")
             else "# machines converted from an OpenSSH client config\n") + inv.to_yaml()
