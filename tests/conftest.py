@@ -56,6 +56,22 @@ def running(topology, **kw):
         assert not left, f"leftovers of {topology.name}: {left}"
 
 
+def separate_controller(mp, state_dir, tag: str) -> str:
+    """The controller (this process and the `testbed` commands it runs) keeps its state in `state_dir` and names
+    its namespaces with a prefix of its own (returned), through the MonkeyPatch `mp`: a failed run leaves no
+    record on this host pointing at machines or VMs that are gone, and `testbed down --all` in the test sweeps
+    only what it made."""
+    import testbed.nsutil
+    import testbed.state
+
+    prefix = f"{tag}{os.getpid() % 100000}."
+    mp.setenv("TESTBED_STATE_DIR", str(state_dir))
+    mp.setenv("TESTBED_PREFIX", prefix)
+    mp.setattr(testbed.state, "STATE_ROOT", state_dir)
+    mp.setattr(testbed.nsutil, "PREFIX", prefix)
+    return prefix
+
+
 # -- runtimes --------------------------------------------------------------------------------------------------
 
 

@@ -12,9 +12,7 @@ import time
 
 import pytest
 
-import testbed.nsutil
-import testbed.state
-from conftest import TOPOLOGIES, tb_cli, unique_name
+from conftest import TOPOLOGIES, separate_controller, tb_cli, unique_name
 from sshmachines import inventory_yaml, ssh_machines
 from testbed.machines import cluster
 from testbed.machines.inventory import load_inventory
@@ -28,11 +26,7 @@ def machines(tmp_path_factory):
     # a topology that something else on this host has up.
     mp = pytest.MonkeyPatch()
     ctl = tmp_path_factory.mktemp("controller-state")
-    prefix = f"tbc{os.getpid() % 100000}."
-    mp.setenv("TESTBED_STATE_DIR", str(ctl))
-    mp.setenv("TESTBED_PREFIX", prefix)
-    mp.setattr(testbed.state, "STATE_ROOT", ctl)
-    mp.setattr(testbed.nsutil, "PREFIX", prefix)
+    separate_controller(mp, ctl, "tbc")
     try:
         with ssh_machines(3) as ms:
             inv = tmp_path_factory.mktemp("inventory") / "machines.yaml"

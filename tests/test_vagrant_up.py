@@ -35,9 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import testbed.nsutil
-import testbed.state
-from conftest import TOPOLOGIES, tb_cli, unique_name
+from conftest import TOPOLOGIES, separate_controller, tb_cli, unique_name
 from testbed.machines import cluster, vagrantbox, vm
 from testbed.machines.inventory import parse_inventory
 from testbed.machines.remote import Remote
@@ -81,11 +79,7 @@ def up(tmp_path_factory):
     # The controller keeps its state in a directory of its own (as in test_vms): a failed run leaves no record here
     # pointing at VMs that are gone.
     ctl = tmp_path_factory.mktemp("controller-state")
-    prefix = f"tbg{os.getpid() % 100000}."
-    mp.setenv("TESTBED_STATE_DIR", str(ctl))
-    mp.setenv("TESTBED_PREFIX", prefix)
-    mp.setattr(testbed.state, "STATE_ROOT", ctl)
-    mp.setattr(testbed.nsutil, "PREFIX", prefix)
+    separate_controller(mp, ctl, "tbg")
     timings = REPORT["timings_s"]
     t_all = time.monotonic()
     t = time.monotonic()

@@ -21,9 +21,7 @@ import time
 import pytest
 import yaml
 
-import testbed.nsutil
-import testbed.state
-from conftest import TOPOLOGIES, tb_cli, unique_name
+from conftest import TOPOLOGIES, separate_controller, tb_cli, unique_name
 from testbed.machines import cluster
 from testbed.machines import vm
 
@@ -100,10 +98,7 @@ def test_two_qemu_vms_carry_a_topology_with_netem_delay(tmp_path, monkeypatch):
     # test_cluster: a failed run leaves no record here pointing at VMs that are gone.
     ctl = tmp_path / "controller-state"
     ctl.mkdir()
-    monkeypatch.setenv("TESTBED_STATE_DIR", str(ctl))
-    monkeypatch.setenv("TESTBED_PREFIX", f"tbc{os.getpid() % 100000}.")
-    monkeypatch.setattr(testbed.state, "STATE_ROOT", ctl)
-    monkeypatch.setattr(testbed.nsutil, "PREFIX", f"tbc{os.getpid() % 100000}.")
+    separate_controller(monkeypatch, ctl, "tbc")
     timings: dict[str, float] = {}
     t_all = time.monotonic()
     t = time.monotonic()
