@@ -92,6 +92,21 @@ def test_process_injector_points_are_the_same_cold_and_warm(tmp_path):
     assert all(p["flipped"] > 0 for k, p in warm.items() if "ber1e-4" in k)
 
 
+def test_a_service_keeps_no_threads_of_earlier_points(tmp_path):
+    """A point's process groups, with their gloo and store threads, go with it: the DDP reducer's comm hook (a
+    bound method of the trainer) made a cycle through C++ that kept them, 7 threads per point and rank, until a
+    star8 sweep's services had ~1,000 threads each. The services log their thread count after each point."""
+    exp = experiment(tmp_path, "wthr", "recipe: [process], mode: [ddp, pp], ber: [0], seed: [1, 2, 3]", steps=2)
+    run_experiment(exp, tmp_path / "out", log=lambda m: None)
+    logs = sorted((tmp_path / "out" / "warm").glob("*/worker-rank*.log"))
+    assert logs
+    for log in logs:
+        counts = [int(line.rsplit("threads ", 1)[1].rstrip(")")) for line in log.read_text().splitlines()
+                  if line.startswith("point ") and "threads " in line]
+        assert len(counts) == 6, (log, counts)
+        assert max(counts) == min(counts), (log, counts)  # the same after every point: nothing piles up
+
+
 def test_wire_points_with_flips_are_the_same_cold_and_warm(tmp_path):
     cold, warm = cold_and_warm(tmp_path, experiment(tmp_path, "wflip", "mode: [ddp], ber: [0, 1e-4], seed: [1]"))
     assert all(p["flipped"] > 0 for k, p in warm.items() if "ber1e-4" in k)

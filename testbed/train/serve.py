@@ -119,7 +119,9 @@ def main(argv=None):
             break
         code, closed, close_s = serve_point(msg, base_env, started)
         common.write_json_atomic(answer_path(inbox, a.id, k), {"code": code})
-        print(f"point {k}: exit {code} after {time.time() - started:.2f} s (process groups down in {close_s:.2f} s)"
+        # threads: a point's gloo and store threads must be gone with its process groups (tests/test_warm.py)
+        print(f"point {k}: exit {code} after {time.time() - started:.2f} s (process groups down in {close_s:.2f} s,"
+              f" threads {len(os.listdir('/proc/self/task'))})"
               if closed else f"point {k}: exit {code}, process groups did not come down", flush=True)
         if not closed or code not in (common.EXIT_OK, common.EXIT_DIVERGED):
             break

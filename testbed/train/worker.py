@@ -171,6 +171,7 @@ class Worker:
         self.run_dir = args.out
         self.mgmt = None
         self.mgmt_group = None
+        self.trainer = None
         self.step = None
         self.phase = "starting"
         self.t_start = time.time()
@@ -260,6 +261,7 @@ class Worker:
             trainer = PPTrainer(model, a, data, self.rank, self.world_size, self.mgmt, debug, self.mgmt_group,
                                 inject=injector)
         del model
+        self.trainer = trainer  # close() breaks its reference cycles
         monitor = None
         if a.monitor:  # fault localisation (testbed/locate): probes, per-bucket times, TCP counters per step
             from testbed.locate.monitor import Monitor
@@ -367,6 +369,12 @@ class Worker:
                 if dist.is_initialized():
                     dist.destroy_process_group()
                 self.mgmt = self.mgmt_group = None
+                # DDP's reducer holds the comm hook, a bound method of the trainer: a cycle through C++ that the
+                # collector cannot see, so without this the trainer, its model, its process groups and their gloo
+                # threads (7 per point and rank) outlive the point in a warm service (testbed/train/serve.py)
+                if self.trainer is not None:
+                    vars(self.trainer).clear()
+                    self.trainer = None
             except Exception as exc:  # the exit code already says what happened
                 self.log(f"teardown: {exc}")
 
