@@ -847,8 +847,9 @@ def _sensitivity_sentence(th: dict, tolerance: float) -> str:
 
 def summary_section(rows: list[dict], th: dict, tolerance: float, source: str) -> list[str]:
     """The one-screen summary: the threshold table with the paper's numbers, and three sentences (headline,
-    the DDP/PP ordering, the sensitivity to the tolerance). Empty when no config has a threshold to report."""
-    if not any(t["applies"] for t in th.values()):
+    the DDP/PP ordering, the sensitivity to the tolerance). Empty when no config has a threshold to report, or no
+    run evaluated (a fault-localisation sweep: the paired rule has nothing to judge)."""
+    if not any(t["applies"] for t in th.values()) or not any_eval(rows):
         return []
     first = next((r for r in rows if r.get("model")), {})
     seeds = sorted({r.get("seed") for r in rows if r.get("seed") is not None})
@@ -875,6 +876,12 @@ def summary_section(rows: list[dict], th: dict, tolerance: float, source: str) -
     return out + [""]
 
 
+def any_eval(rows: list[dict]) -> bool:
+    """Whether the paired rule has eval losses to judge: false when runs finished but none evaluated (a
+    fault-localisation sweep); true when none finished (the report says why there is no threshold)."""
+    return any(r.get("final_eval_loss") is not None for r in rows) or not any(is_ok(r) for r in rows)
+
+
 def one_link_faults(rows: list[dict]) -> bool:
     """An experiment with a `fault:` (docs/locate.md): one link per point carries its BER, the others the
     background. The theory's predictions (weight deviation, lost steps: every link and hop at the point's BER)
@@ -890,7 +897,7 @@ def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]
                       ""]
     if not any(is_ok(r) for r in rows):
         out.append("- No run finished with status ok: every point crashed, hung, diverged or failed.")
-    out += ["- " + threshold_sentence(t) for t in th.values() if t["applies"]]
+    out += ["- " + threshold_sentence(t) for t in th.values() if t["applies"] and any_eval(rows)]
     ords = orderings(th)
     if ords:
         out += ["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)]
@@ -946,7 +953,8 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
         md += ["No results: results.jsonl is missing or empty.", ""]
     md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
     md += scaling_section(rows, out_dir)  # size ladder and BER-0 controls (experiments/scaling.yaml); [] otherwise
-    md += thresholds_section(agg, th, tolerance, tol_source, drawn)
+    if any_eval(rows):  # the paired rule judges eval losses: without any (a locate sweep) it has nothing to say
+        md += thresholds_section(agg, th, tolerance, tol_source, drawn)
     md += size_threshold_section(th, tolerance, out_dir, rows, exp.get("train"))  # several sizes; [] otherwise
     if fits:
         md += deviation_section(rows, fits)
