@@ -124,13 +124,14 @@ def time_table(times: list[dict]) -> list[str]:
                    "injector"], rows)
 
 
-def _plot_line(rows: list[dict], out_dir: Path) -> str:
+def _plot_line(draw, data, out_dir: Path, file: str, title: str, empty: str) -> str:
+    """The Markdown line of one plot: its image, or a sentence saying why it is not there."""
     try:
-        drawn = plot_lambda_collapse(rows, Path(out_dir) / PLOT_FILE)
+        drawn = draw(data, Path(out_dir) / file)
     except Exception as e:  # noqa: BLE001 - the report of a long run must not be lost to a plot
         traceback.print_exc(file=sys.stderr)
-        return f"*{PLOT_TITLE}: the plot could not be drawn ({type(e).__name__}: {e}).*"
-    return f"![{PLOT_TITLE}]({PLOT_FILE})" if drawn else f"*{PLOT_TITLE}: not drawn, no cell has lost-step counts.*"
+        return f"*{title}: the plot could not be drawn ({type(e).__name__}: {e}).*"
+    return f"![{title}]({file})" if drawn else f"*{title}: not drawn, {empty}.*"
 
 
 def scaling_section(rows: list[dict], out_dir: Path) -> list[str]:
@@ -139,7 +140,8 @@ def scaling_section(rows: list[dict], out_dir: Path) -> list[str]:
     if not scaling.is_scaling(rows):
         return []
     cells = scaling.lambda_cells(rows)
-    plot_line = _plot_line(rows, out_dir) if cells else ""
+    plot_line = (_plot_line(plot_lambda_collapse, rows, out_dir, PLOT_FILE, PLOT_TITLE,
+                            "no cell has lost-step counts") if cells else "")
     md = ["## Size ladder: lost steps against λ for every model size", ""]
     if cells:
         md += ["Each size, mode and recipe ran at the BERs where the theory expects λ catastrophic values per step "
@@ -305,13 +307,6 @@ def _fit_sentence(f: dict) -> str:
     return text
 
 
-def _size_plot_line(fits: list[dict], out_dir: Path) -> str:
-    try:
-        drawn = plot_size_thresholds(fits, Path(out_dir) / SIZE_PLOT_FILE)
-    except Exception as e:  # noqa: BLE001 - the report of a long run must not be lost to a plot
-        traceback.print_exc(file=sys.stderr)
-        return f"*{SIZE_PLOT_TITLE}: the plot could not be drawn ({type(e).__name__}: {e}).*"
-    return f"![{SIZE_PLOT_TITLE}]({SIZE_PLOT_FILE})" if drawn else f"*{SIZE_PLOT_TITLE}: not drawn, no fit.*"
 
 
 def size_threshold_section(th: dict, tolerance: float, out_dir: Path, rows: list[dict] | None = None,
@@ -335,7 +330,8 @@ def size_threshold_section(th: dict, tolerance: float, out_dir: Path, rows: list
           "The 124M value extrapolates the fit; its range is the lowest and highest value at 124M of every line "
           "through every interval, its t interval the prediction interval of one new size. It holds for this "
           "experiment's setup (hosts, tokens per step, steps, lr, tolerance), not the published one's "
-          "(testbed/analysis/sizefit.py).", "", _size_plot_line(fits, out_dir), "",
+          "(testbed/analysis/sizefit.py).", "",
+          _plot_line(plot_size_thresholds, fits, out_dir, SIZE_PLOT_FILE, SIZE_PLOT_TITLE, "no fit"), "",
           "Thresholds per size (and at the sensitivity table's tolerances):", "",
           *size_threshold_table(fits, tolerance), "", "The size slope, measured and by the theory:", "",
           *size_fit_table(fits), "", "GPT-2 124M (124,439,808 parameters), predicted from the sizes measured here, "
