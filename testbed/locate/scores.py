@@ -109,8 +109,7 @@ def _totals(table: list[dict]) -> list[str]:
         for checksum in sorted({t["checksum"] for t in ts}, key=str):
             cs = [t for t in ts if t["checksum"] == checksum]
             calls.append(f"{checksum} {sum(t['correct'] for t in cs)}/{sum(t['faulty'] for t in cs)}")
-        alarms = (f"{fa}/{n} false alarms on the clean runs [{clopper_pearson(fa, n)[0]:.2f}, "
-                  f"{clopper_pearson(fa, n)[1]:.2f}]" if n else "no clean run")
+        alarms = f"{_frac(fa, n, clopper_pearson(fa, n))} false alarms on the clean runs" if n else "no clean run"
         out.append(f"- {d}: correct calls {', '.join(calls)} (every topology and BER together); {alarms}.")
     return out
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import io
 import math
+import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -721,6 +723,17 @@ def plot_detection_vs_ber(rows: list[dict], path) -> Path | None:
     if ax_t.get_legend_handles_labels()[0]:
         ax_t.legend(fontsize=7, loc="best")
     return save_figure(fig, path)
+
+
+def plot_or_sentence(draw, data, out_dir, file: str, title: str, empty: str) -> str:
+    """report.md's line for a plot a section draws itself: its image, or a sentence saying why it is not there
+    (`empty`: why `draw` drew nothing). A plot that raises does not lose the report of a long run."""
+    try:
+        drawn = draw(data, Path(out_dir) / file)
+    except Exception as e:  # noqa: BLE001 - reported in the line, with the traceback on stderr
+        traceback.print_exc(file=sys.stderr)
+        return f"*{title}: the plot could not be drawn ({type(e).__name__}: {e}).*"
+    return f"![{title}]({file})" if drawn else f"*{title}: not drawn, {empty}.*"
 
 
 # file name -> (function, input): report.py draws them all in this order

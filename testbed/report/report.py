@@ -636,12 +636,8 @@ def _locate_plot_line(rows: list[dict], out_dir: Path) -> str | None:
     when no row was monitored (no locate section)."""
     if not any(r.get("locate") for r in rows):
         return None
-    try:
-        drawn = plots.plot_detection_vs_ber(rows, out_dir / LOCATE_PLOT)
-    except Exception as e:  # noqa: BLE001 - the report of a long run must not be lost to a plot
-        traceback.print_exc(file=sys.stderr)
-        return f"*{LOCATE_PLOT_TITLE}: the plot could not be drawn ({type(e).__name__}: {e}).*"
-    return f"![{LOCATE_PLOT_TITLE}]({LOCATE_PLOT})" if drawn else f"*{LOCATE_PLOT_TITLE}: not drawn, no faulty run.*"
+    return plots.plot_or_sentence(plots.plot_detection_vs_ber, rows, out_dir, LOCATE_PLOT, LOCATE_PLOT_TITLE,
+                                  "no faulty run")
 
 
 def _timestamp(value) -> str:

@@ -8,8 +8,6 @@ at two sizes or more)."""
 
 from __future__ import annotations
 
-import sys
-import traceback
 from pathlib import Path
 
 import math
@@ -17,7 +15,7 @@ import math
 from testbed.analysis import scaling, sizefit
 from testbed.analysis.analysis import PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES
 from testbed.analysis.formatting import ber_text, fmt, md_table, mode_name
-from testbed.report.plots import plot_lambda_collapse, plot_size_thresholds
+from testbed.report.plots import plot_lambda_collapse, plot_or_sentence, plot_size_thresholds
 
 PLOT_FILE = "lambda_collapse.png"
 PLOT_TITLE = "Lost-step fraction vs λ, every model size"
@@ -124,23 +122,13 @@ def time_table(times: list[dict]) -> list[str]:
                    "injector"], rows)
 
 
-def _plot_line(draw, data, out_dir: Path, file: str, title: str, empty: str) -> str:
-    """The Markdown line of one plot: its image, or a sentence saying why it is not there."""
-    try:
-        drawn = draw(data, Path(out_dir) / file)
-    except Exception as e:  # noqa: BLE001 - the report of a long run must not be lost to a plot
-        traceback.print_exc(file=sys.stderr)
-        return f"*{title}: the plot could not be drawn ({type(e).__name__}: {e}).*"
-    return f"![{title}]({file})" if drawn else f"*{title}: not drawn, {empty}.*"
-
-
 def scaling_section(rows: list[dict], out_dir: Path) -> list[str]:
     """The section's markdown lines (and its plot, into out_dir); [] when the experiment has no lambda points
     and no controls."""
     if not scaling.is_scaling(rows):
         return []
     cells = scaling.lambda_cells(rows)
-    plot_line = (_plot_line(plot_lambda_collapse, rows, out_dir, PLOT_FILE, PLOT_TITLE,
+    plot_line = (plot_or_sentence(plot_lambda_collapse, rows, out_dir, PLOT_FILE, PLOT_TITLE,
                             "no cell has lost-step counts") if cells else "")
     md = ["## Size ladder: lost steps against λ for every model size", ""]
     if cells:
@@ -331,7 +319,7 @@ def size_threshold_section(th: dict, tolerance: float, out_dir: Path, rows: list
           "through every interval, its t interval the prediction interval of one new size. It holds for this "
           "experiment's setup (hosts, tokens per step, steps, lr, tolerance), not the published one's "
           "(testbed/analysis/sizefit.py).", "",
-          _plot_line(plot_size_thresholds, fits, out_dir, SIZE_PLOT_FILE, SIZE_PLOT_TITLE, "no fit"), "",
+          plot_or_sentence(plot_size_thresholds, fits, out_dir, SIZE_PLOT_FILE, SIZE_PLOT_TITLE, "no fit"), "",
           "Thresholds per size (and at the sensitivity table's tolerances):", "",
           *size_threshold_table(fits, tolerance), "", "The size slope, measured and by the theory:", "",
           *size_fit_table(fits), "", "GPT-2 124M (124,439,808 parameters), predicted from the sizes measured here, "
