@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 
 from testbed import __version__
 from testbed.errors import EXIT_CAPABILITY, EXIT_FAIL, EXIT_INPUT, CliError  # noqa: F401 (re-exported)
@@ -416,18 +418,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return EXIT_INPUT
+    # `kill` (SIGTERM) unwinds as Ctrl-C does: a sweep takes its topology and worker services down and keeps
+    # what it finished, instead of dying with them up
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        return _run(args)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _run(args) -> int:
     from pyroute2.netlink.exceptions import NetlinkError
 
     from testbed.errors import CapabilityMissing
     from testbed.runtime.base import RuntimeUnavailable
     from testbed.topology.topo import TopologyError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "fn", None):
-        parser.print_help()
-        return EXIT_INPUT
     try:
         return args.fn(args) or 0
     except TopologyError as e:

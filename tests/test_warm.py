@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TESTBED
 from test_experiments import leftovers_named
 from testbed.experiments.runner import run_experiment
 from testbed.experiments.spec import Experiment
@@ -98,7 +99,7 @@ def test_a_service_keeps_no_threads_of_earlier_points(tmp_path):
     star8 sweep's services had ~1,000 threads each. The services log their thread count after each point."""
     exp = experiment(tmp_path, "wthr", "recipe: [process], mode: [ddp, pp], ber: [0], seed: [1, 2, 3]", steps=2)
     run_experiment(exp, tmp_path / "out", log=lambda m: None)
-    logs = sorted((tmp_path / "out" / "warm").glob("*/worker-rank*.log"))
+    logs = sorted((tmp_path / "out" / "warm").glob("*/*/worker-rank*.log"))
     assert logs
     for log in logs:
         counts = [int(line.rsplit("threads ", 1)[1].rstrip(")")) for line in log.read_text().splitlines()
@@ -146,3 +147,40 @@ def test_a_worker_killed_mid_sweep_fails_its_point_only(tmp_path):
     assert rows["ddp-ber0-tensor-fix-s3"]["status"] == "ok" and rows["ddp-ber0-tensor-fix-s3"]["steps_completed"] == 40
     assert not services(out)
     assert not leftovers_named(f"{exp.spec.name[:8]}{os.getpid() % 10000}-")
+
+
+def test_a_terminated_or_killed_sweep_resumes_with_every_point_trained(tmp_path):
+    """SIGTERM unwinds a sweep as Ctrl-C does (services stopped, inboxes removed). SIGKILL leaves a run's inboxes
+    with its services' answers: the run resumed in the same --out must not take them for its own points' (the first
+    run of thresholds.yaml, resumed after a kill: 14 points "ended" at once with 0/300 steps, and their workers
+    trained them afterwards)."""
+    exp = experiment(tmp_path, "wres", "recipe: [process], mode: [ddp], ber: [0], seed: [1, 2, 3, 4, 5, 6]", steps=2)
+    out = tmp_path / "out"
+
+    def run_until(rows: int, sig: int) -> subprocess.Popen:
+        p = subprocess.Popen([*TESTBED, "run", str(tmp_path / "wres.yaml"), "--out", str(out)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while p.poll() is None and time.monotonic() < deadline:
+            if (out / "results.jsonl").exists() and len(read_jsonl(out / "results.jsonl")) >= rows:
+                break
+            time.sleep(0.05)
+        assert p.poll() is None, p.communicate()[1][-2000:]
+        p.send_signal(sig)
+        p.communicate(timeout=60)
+        return p
+
+    p = run_until(1, signal.SIGTERM)
+    assert p.returncode == 130
+    assert not services(out)
+    assert not list((out / "warm").glob("**/inbox"))  # the services were stopped, not orphaned
+    run_until(3, signal.SIGKILL)
+    deadline = time.monotonic() + 30  # orphaned services see their parent gone and exit
+    while services(out) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not services(out)
+    assert list((out / "warm").glob("**/inbox/*.done"))  # the case this test is about: answers left behind
+    rows = run_experiment(exp, out, log=lambda m: None)
+    assert len(rows) == 6 and all(r["status"] == "ok" and r["steps_completed"] == 2 for r in rows), \
+        [(r["point"], r["status"], r.get("reason")) for r in rows]
+    assert not services(out)

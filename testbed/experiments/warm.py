@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -62,6 +63,8 @@ class WorkerPool:
     def __init__(self, start, inbox: Path):
         self.start, self.inbox = start, Path(inbox)
         self.inbox.mkdir(parents=True, exist_ok=True)
+        if any(self.inbox.iterdir()):  # an earlier run's answers would pass for this run's (WarmSweep's dir)
+            raise RuntimeError(f"{self.inbox}: the inbox of worker services must start empty")
         self.services: dict[int, list] = {}  # rank -> [process, id, next request number]
         self.ids = itertools.count()
 
@@ -112,7 +115,10 @@ class WarmSweep:
     or the local services of process-injector points. `close()` takes it all down."""
 
     def __init__(self, out: Path):
-        self.dir, self.key, self.tb, self.workers, self.pool = Path(out) / "warm", None, None, None, None
+        # one directory per run: a run that was killed leaves its inboxes with their answers (N-K.done), and a
+        # resumed run in the same place would take them for its own points' (they "ended" before they ran)
+        self.dir = Path(out) / "warm" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        self.key, self.tb, self.workers, self.pool = None, None, None, None
         self.groups, self.points = itertools.count(), itertools.count()
 
     def _switch(self, key) -> bool:
