@@ -91,6 +91,38 @@ def _experiment_info(out_dir: Path, experiment) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def coverage(out_dir: Path, rows: list[dict], experiment=None) -> dict[tuple, tuple[int, int]]:
+    """(recipe, mode) -> (points with a row, points in the grid) for every cell of the experiment's grid that
+    lacks rows: a run in parts (`--recipes`) or one that was stopped. {} when all ran, or when the grid cannot be
+    known (no loadable experiment.yaml)."""
+    from testbed.experiments.spec import Experiment
+
+    try:
+        exp = experiment if hasattr(experiment, "points") else Experiment.load(out_dir / EXPERIMENT_FILE)
+        planned = exp.points()
+    except Exception:  # a copy that no longer loads (a moved topology file): the report goes on without it
+        return {}
+    have = {r.get("point") for r in rows}
+    cells: dict[tuple, list[int]] = {}
+    for p in planned:
+        c = cells.setdefault((p.recipe, p.mode), [0, 0])
+        c[0] += p.id in have
+        c[1] += 1
+    return {k: (a, n) for k, (a, n) in cells.items() if a < n}
+
+
+def coverage_lines(missing: dict[tuple, tuple[int, int]], rows: list[dict]) -> list[str]:
+    """The report's first lines when part of the grid has no results yet."""
+    if not missing:
+        return []
+    planned = len({r.get("point") for r in rows}) + sum(n - a for a, n in missing.values())
+    cells = ", ".join(f"{recipe} {mode_name(mode)} {a} of {n}" for (recipe, mode), (a, n) in missing.items())
+    return [f"**Incomplete:** {planned - sum(n - a for a, n in missing.values())} of the grid's {planned} points "
+            f"have results (points run, per recipe and mode: {cells}). A threshold of an incomplete recipe and mode "
+            "is marked provisional (a BER not yet run can neither pass nor fail) and is left out of the size fit. "
+            "Run the same `testbed run` again to finish the grid.", ""]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # summary.csv
 # ---------------------------------------------------------------------------------------------------------------
@@ -257,7 +289,8 @@ def _measured_cell(t: dict) -> str:
     """'1e-05 – 1e-04': the measured interval (last pass, first fail]; 'no threshold' when there is none."""
     if not _has_threshold(t):
         return "no threshold"
-    return interval_text(t["max_ok_ber"], t["min_fail_ber"]) + (" (non-monotonic)" if t["non_monotonic"] else "")
+    return (interval_text(t["max_ok_ber"], t["min_fail_ber"]) + (" (non-monotonic)" if t["non_monotonic"] else "")
+            + (" (provisional: {} of {} points)".format(*t["incomplete"]) if t.get("incomplete") else ""))
 
 
 def _theory_cell(t: dict) -> str:
@@ -918,13 +951,14 @@ def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]
 
 def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | None, exp: dict,
                    drawn: dict, tolerance: float, out_dir: Path, tol_source: str = "",
-                   source: str = RESULTS_FILE) -> str:
+                   source: str = RESULTS_FILE, missing: dict | None = None) -> str:
     """report.md: the one-screen summary first (a locate experiment's detection table, the threshold table with
     the paper's numbers and three sentences), then the details; a section that does not apply is left out."""
     name = exp.get("name") or next((r.get("experiment") for r in rows if r.get("experiment")), None) or out_dir.name
     faults = one_link_faults(rows)
     fits = {} if faults else deviation_fits(rows)
     md = [f"# Experiment {name}: bit errors in distributed GPT-2 training", ""]
+    md += coverage_lines(missing or {}, rows)
     # experiments with monitored points (docs/locate.md): their detection table and plot lead; [] otherwise
     md += locate_section(rows, _locate_plot_line(rows, out_dir))
     if faults:
@@ -1022,9 +1056,14 @@ def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None =
     write_summary_csv(rows, out_dir / SUMMARY_FILE)
     agg = aggregate(rows, train=exp.get("train"))
     th = thresholds(agg, tolerance, train=exp.get("train"))
+    missing = coverage(out_dir, rows, experiment) if source == RESULTS_FILE else {}
+    for t in th.values():
+        if (t["recipe"], t["mode"]) in missing:
+            t["incomplete"] = missing[(t["recipe"], t["mode"])]
     drawn = _draw_plots(out_dir, rows, latency) if source == RESULTS_FILE else _kept_plots(out_dir)
     path = out_dir / REPORT_FILE
-    write_atomic(path, build_markdown(rows, agg, th, latency, exp, drawn, tolerance, out_dir, tol_source, source))
+    write_atomic(path, build_markdown(rows, agg, th, latency, exp, drawn, tolerance, out_dir, tol_source, source,
+                                      missing))
     return path
 
 

@@ -302,6 +302,8 @@ def size_threshold_section(th: dict, tolerance: float, out_dir: Path, rows: list
     """The section's markdown lines (and its plot, into out_dir); [] unless a recipe has thresholds at two sizes
     or more (analysis.thresholds output `th`, at the registered `tolerance`). With the `rows` (and the
     experiment's `train:`), a ladder whose sizes ran different seeds is refitted on the seeds they share."""
+    left_out = {k for k, t in th.items() if t.get("incomplete")}  # provisional thresholds: not in the fit
+    th = {k: t for k, t in th.items() if k not in left_out}
     fits = sizefit.size_fits(th)
     if not fits:
         return []
@@ -332,7 +334,8 @@ def size_threshold_section(th: dict, tolerance: float, out_dir: Path, rows: list
         from testbed.analysis.analysis import aggregate, thresholds
 
         same = [r for r in rows if r.get("seed") in seeds]
-        matched = sizefit.size_fits(thresholds(aggregate(same, train=train), tolerance, train=train))
+        matched = sizefit.size_fits({k: t for k, t in thresholds(aggregate(same, train=train), tolerance,
+                                                                  train=train).items() if k not in left_out})
         if matched:
             md += [f"The sizes ran different seeds, and the paired rule's t bound is wider with fewer (t(0.95, n-1): "
                    "2.92 for 3 seeds, 2.13 for 5), so the smaller seed count is a stricter rule. The same fit on "
