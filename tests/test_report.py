@@ -669,7 +669,7 @@ def test_a_report_of_part_of_the_grid_marks_its_thresholds_provisional(tmp_path)
     """A run in parts (--recipes) or one stopped early: report.md says which recipe and mode lack points, marks
     their thresholds provisional (an untested BER can neither pass nor fail) and names what to run."""
     from conftest import ROOT
-    from testbed.experiments.spec import Experiment
+    from testbed.experiments.spec import Experiment, planned_points
 
     bers = ", ".join(f"{b:g}" for b in RULE_GAPS)
     (tmp_path / "experiment.yaml").write_text(
@@ -678,11 +678,13 @@ def test_a_report_of_part_of_the_grid_marks_its_thresholds_provisional(tmp_path)
     ids = {(p.mode, p.ber, p.seed): p.id for p in Experiment.load(tmp_path / "experiment.yaml").points()}
     rows = [{**r, "point": ids[(r["mode"], r["ber"], r["seed"])]} for r in rule_rows()]
     last = max(RULE_GAPS)
-    assert report.coverage(tmp_path, rows) == {}
+    planned = planned_points(tmp_path)
+    assert len(planned) == len(rows) and report.coverage(rows, planned) == {}
     part = [r for r in rows if not (r["ber"] == last and r["seed"] > 2)]  # stopped inside the last BER
-    assert report.coverage(tmp_path, part) == {("default", "ddp"): (len(part), len(rows))}
-    md = report.write_report(tmp_path, rows=part, latency={"results": []}).read_text()
+    assert report.coverage(part, planned) == {("default", "ddp"): (len(part), len(rows))}
+    assert report.coverage(part, None) == {}  # grid unknown: nothing claimed missing
+    md = report.write_report(tmp_path, rows=part, latency={"results": []}, planned=planned).read_text()
     assert md.split("\n")[2].startswith(f"**Incomplete:** {len(part)} of the grid's {len(rows)} points")
     assert f"(provisional: {len(part)} of {len(rows)} points)" in md.split("## Findings")[0]
-    full = report.write_report(tmp_path, rows=rows, latency={"results": []}).read_text()
+    full = report.write_report(tmp_path, rows=rows, latency={"results": []}, planned=planned).read_text()
     assert "Incomplete" not in full and "provisional" not in full

@@ -560,3 +560,13 @@ class Experiment:
             if isinstance(r, dict) and r.get("topology"):
                 r["topology"] = str(self.resolve(r["topology"]).resolve())
         return yaml.safe_dump(raw, sort_keys=False)
+
+
+def planned_points(out_dir: str | Path) -> list[tuple[str, str, str]] | None:
+    """The grid of the experiment kept in out_dir (experiment.yaml) as (point id, recipe, mode) triples, which
+    the report uses to say what has not run yet; None when the copy is missing or no longer loads (a moved
+    topology file), and the report then goes on without saying it."""
+    try:
+        return [(p.id, p.recipe, p.mode) for p in Experiment.load(Path(out_dir) / "experiment.yaml").points()]
+    except Exception:  # noqa: BLE001 - only the report's "Incomplete" line depends on it
+        return None

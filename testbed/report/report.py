@@ -91,22 +91,18 @@ def _experiment_info(out_dir: Path, experiment) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def coverage(out_dir: Path, rows: list[dict], experiment=None) -> dict[tuple, tuple[int, int]]:
+def coverage(rows: list[dict], planned) -> dict[tuple, tuple[int, int]]:
     """(recipe, mode) -> (points with a row, points in the grid) for every cell of the experiment's grid that
-    lacks rows: a run in parts (`--recipes`) or one that was stopped. {} when all ran, or when the grid cannot be
-    known (no loadable experiment.yaml)."""
-    from testbed.experiments.spec import Experiment
-
-    try:
-        exp = experiment if hasattr(experiment, "points") else Experiment.load(out_dir / EXPERIMENT_FILE)
-        planned = exp.points()
-    except Exception:  # a copy that no longer loads (a moved topology file): the report goes on without it
+    lacks rows: a run in parts (`--recipes`) or one that was stopped. planned: the grid's (point id, recipe, mode)
+    triples, from the sweep that owns the experiment file (`testbed.experiments.spec.planned_points`; the report
+    does not load experiment files). {} when all ran, or when the grid is not known (planned None)."""
+    if not planned:
         return {}
     have = {r.get("point") for r in rows}
     cells: dict[tuple, list[int]] = {}
-    for p in planned:
-        c = cells.setdefault((p.recipe, p.mode), [0, 0])
-        c[0] += p.id in have
+    for pid, recipe, mode in planned:
+        c = cells.setdefault((recipe, mode), [0, 0])
+        c[0] += pid in have
         c[1] += 1
     return {k: (a, n) for k, (a, n) in cells.items() if a < n}
 
@@ -1039,10 +1035,12 @@ def thresholds_section(agg: list[dict], th: dict, tolerance: float, tol_source: 
     return md + [_plot_line("eval_loss_vs_ber.png", drawn), ""]
 
 
-def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None = None, experiment=None) -> Path:
+def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None = None, experiment=None,
+                 planned=None) -> Path:
     """Write summary.csv, the plots and report.md into out_dir (rows/latency default to its results.jsonl and
     latency.json, rows to summary.csv when only that was kept; experiment: an Experiment, ExperimentFile or
-    dict, default its experiment.yaml). The tolerance is the one the rows record (analysis.tolerance_of)."""
+    dict, default its experiment.yaml; planned: the grid's (point id, recipe, mode) triples, which let the report
+    say what is missing: see coverage). The tolerance is the one the rows record (analysis.tolerance_of)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     source = RESULTS_FILE
@@ -1056,7 +1054,7 @@ def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None =
     write_summary_csv(rows, out_dir / SUMMARY_FILE)
     agg = aggregate(rows, train=exp.get("train"))
     th = thresholds(agg, tolerance, train=exp.get("train"))
-    missing = coverage(out_dir, rows, experiment) if source == RESULTS_FILE else {}
+    missing = coverage(rows, planned) if source == RESULTS_FILE else {}
     for t in th.values():
         if (t["recipe"], t["mode"]) in missing:
             t["incomplete"] = missing[(t["recipe"], t["mode"])]
@@ -1076,7 +1074,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbed.report.report",
                                 description="Rebuild summary.csv, the plots and report.md of an experiment "
                                             "directory from its results.jsonl and latency.json (the verdicts use "
-                                            "the tolerance the rows record: the experiment file's `tolerance:`).")
+                                            "the tolerance the rows record: the experiment file's "
+                                            "`tolerance:`; `testbed report DIR` also says which points of the "
+                                            "grid have not run yet).")
     p.add_argument("dir", metavar="DIR")
     args = p.parse_args(argv)
     if not Path(args.dir).is_dir():
