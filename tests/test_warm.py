@@ -144,9 +144,55 @@ def test_a_worker_killed_mid_sweep_fails_its_point_only(tmp_path):
     assert rows["ddp-ber0-tensor-fix-s1"]["status"] == "ok"
     assert rows["ddp-ber0-tensor-fix-s2"]["status"] in ("crashed", "invalid"), rows["ddp-ber0-tensor-fix-s2"]
     assert "SIGKILL" in rows["ddp-ber0-tensor-fix-s2"]["reason"]
-    assert rows["ddp-ber0-tensor-fix-s3"]["status"] == "ok" and rows["ddp-ber0-tensor-fix-s3"]["steps_completed"] == 40
+    s3 = rows["ddp-ber0-tensor-fix-s3"]
+    assert s3["status"] == "ok" and s3["steps_completed"] == 40, (s3["status"], s3.get("reason"))
     assert not services(out)
     assert not leftovers_named(f"{exp.spec.name[:8]}{os.getpid() % 10000}-")
+
+
+def test_a_service_on_its_way_out_gets_no_further_point(tmp_path):
+    """A service answers a failed point, then exits; one the launcher killed may not have died yet. The pool must
+    wait for either to go and start a fresh one: a request written to it is never served, and the next point
+    then hangs on its peers' rendezvous (seen in `make test` on a loaded machine: the point after a SIGKILL was
+    `hung`). The services here are plain processes that never answer: the test writes their answers."""
+    import sys
+
+    from testbed.experiments.warm import WorkerPool
+    from testbed.fileio import write_json_atomic
+    from testbed.train.launch import WORKER_MODULE
+
+    started = []
+
+    def start(rank, argv, env):
+        started.append(subprocess.Popen(["sleep", "60"]))
+        return started[-1]
+
+    pool = WorkerPool(start, tmp_path / "inbox")
+    argv = [sys.executable, "-m", WORKER_MODULE, "--out", str(tmp_path / "p")]
+    try:
+        first = pool.spawn(0, argv, {})
+        write_json_atomic(first.answer, {"code": 6, "exits": True})  # crashed: it goes once it has answered
+        assert first.poll() == 6
+        threading.Timer(0.5, started[0].terminate).start()  # ... a moment later
+        second = pool.spawn(0, argv, {})
+        assert len(started) == 2 and started[0].poll() is not None, "a request went to a service on its way out"
+        second.kill()  # the launcher kills a hung point's service: no answer, and SIGKILL takes a moment
+        pool.spawn(0, argv, {})
+        assert len(started) == 3 and started[1].poll() is not None
+        write_json_atomic(answer_path_of(pool, 0), {"code": 0, "exits": False})
+        pool.spawn(0, argv, {})
+        assert len(started) == 3, "a service that stays takes the next point"
+    finally:
+        pool.close(wait_s=1)
+    assert all(p.poll() is not None for p in started)
+
+
+def answer_path_of(pool, rank):
+    """The answer file of the last request the pool wrote to rank's service."""
+    from testbed.train.serve import answer_path
+
+    _, sid, k = pool.services[rank]
+    return answer_path(pool.inbox, sid, k - 1)
 
 
 def test_a_terminated_or_killed_sweep_resumes_with_every_point_trained(tmp_path):

@@ -68,9 +68,30 @@ class WorkerPool:
         self.services: dict[int, list] = {}  # rank -> [process, id, next request number]
         self.ids = itertools.count()
 
+    def reusable(self, svc) -> bool:
+        """Whether a service will take another point: it answered its last request and said it stays. One that
+        was killed may not have died yet, and one that answered "exits" may not have exited yet: a request
+        written to either would never be served (the next point then hung on its peers' rendezvous)."""
+        proc, sid, k = svc
+        if proc.poll() is not None:
+            return False
+        if k == 0:
+            return True
+        try:
+            return not json.loads(answer_path(self.inbox, sid, k - 1).read_text()).get("exits", True)
+        except (OSError, ValueError):
+            return False
+
     def spawn(self, rank: int, argv: list[str], env: dict) -> ServedPoint:
         svc = self.services.get(rank)
-        if svc is None or svc[0].poll() is not None:
+        if svc is not None and not self.reusable(svc):
+            try:  # on its way out: let it go (it answers before it exits), then replace it
+                svc[0].wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                svc[0].kill()
+                svc[0].wait()
+            svc = None
+        if svc is None:
             sid = str(next(self.ids))
             svc = self.services[rank] = [self.start(rank, [argv[0], "-m", SERVE_MODULE, "--inbox", str(self.inbox),
                                                            "--id", sid], env), sid, 0]

@@ -4,7 +4,8 @@ process, so torch, DDP and dynamo are imported once per host and sweep instead o
 Protocol (files in DIR, which the controller, testbed/experiments/warm.py, and the host both see):
   N-K.json   the controller's K-th request (K = 0, 1, ...): {"argv": the worker's arguments with --out,
              "env": RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...} or {"stop": true}
-  N-K.done   the answer, once the point's process groups are destroyed: {"code": the worker's exit code}
+  N-K.done   the answer, once the point's process groups are destroyed: {"code": the worker's exit code,
+             "exits": whether the service exits now instead of waiting for request K+1}
 A point runs exactly as `python -m testbed.train.worker ARGV` would (worker.Worker, its files in --out, its log
 in --out/worker-rank{R}.log), from a state reset from the point's seed: environment, RNGs, thread count,
 dynamo's caches; the model, optimizer, data order and process groups are the point's own. After a point that
@@ -118,12 +119,14 @@ def main(argv=None):
         if msg.get("stop"):
             break
         code, closed, close_s = serve_point(msg, base_env, started)
-        common.write_json_atomic(answer_path(inbox, a.id, k), {"code": code})
+        exits = not closed or code not in (common.EXIT_OK, common.EXIT_DIVERGED)
+        # "exits": the controller must not hand this service another point (it waits for it to go instead)
+        common.write_json_atomic(answer_path(inbox, a.id, k), {"code": code, "exits": exits})
         # threads: a point's gloo and store threads must be gone with its process groups (tests/test_warm.py)
         print(f"point {k}: exit {code} after {time.time() - started:.2f} s (process groups down in {close_s:.2f} s,"
               f" threads {len(os.listdir('/proc/self/task'))})"
               if closed else f"point {k}: exit {code}, process groups did not come down", flush=True)
-        if not closed or code not in (common.EXIT_OK, common.EXIT_DIVERGED):
+        if exits:
             break
     sys.stdout.flush()
     os._exit(0)
