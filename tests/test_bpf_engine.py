@@ -815,20 +815,25 @@ def test_concurrent_flows_on_two_cpus_share_one_exact_stream(link):
     program's lock and ring keep one stream, so the applications together see exactly the engine's flips, every
     eligible bit once, at the configured rate."""
     n, ber = 30 * MB, 1e-4
-    h = bpf(link, ber=ber, seed=12)
-    rxs, txs = [], []
-    for i, port in enumerate((5021, 5022)):
-        rx = link.probe("b", "recv", "--port", port, "--bytes", n, "--seed", 40 + i)
-        read_json_line(rx, "listening")
-        rxs.append(rx)
-    for i, port in enumerate((5021, 5022)):
-        txs.append(link.popen("a", ["taskset", "-c", str(i % (os.cpu_count() or 1)), PYTHON, "-m",
-                                    "testbed.bench.probe", "send", "--host", link.addr["b"], "--port", str(port),
-                                    "--bytes", str(n), "--seed", str(40 + i), "--sport", str(43000 + i)]))
-    for tx in txs:
-        read_json_line(tx, "result", 60)
-    res = [read_json_line(rx, "result", 60)["result"] for rx in rxs]
-    st = engine_stats(h)
+
+    def attempt(port):  # two flows on ports port+20 and port+21, a fresh pair of source ports each attempt
+        h = bpf(link, ber=ber, seed=12)
+        rxs, txs = [], []
+        for i in range(2):
+            rx = link.probe("b", "recv", "--port", port + 20 + i, "--bytes", n, "--seed", 40 + i)
+            read_json_line(rx, "listening")
+            rxs.append(rx)
+        for i in range(2):
+            txs.append(link.popen("a", ["taskset", "-c", str(i % (os.cpu_count() or 1)), PYTHON, "-m",
+                                        "testbed.bench.probe", "send", "--host", link.addr["b"], "--port",
+                                        str(port + 20 + i), "--bytes", str(n), "--seed", str(40 + i),
+                                        "--sport", str(43000 + 2 * (port - 5001) + i)]))
+        for tx in txs:
+            read_json_line(tx, "result", 60)
+        return h, [read_json_line(rx, "result", 60)["result"] for rx in rxs], engine_stats(h)
+
+    # a segment the loaded receiver dropped comes again clean (lossless): seen once in make test, 56 bits short
+    h, res, st = lossless(link, attempt)
     assert all(r["received"] == n for r in res)
     assert st["bits_seen"] == 2 * n * 8 == st["bits_reserved"]
     assert sum(r["bit_errors"] for r in res) == st["bits_flipped"] == st["flips_applied"]
