@@ -92,10 +92,9 @@ def cmd_run(args) -> int:
     pending = 0 if recipes or (args.executor == "local" and args.jobs == 1) else len(exp.points()) - len(rows)
     if pending:
         print(f"{pending} points still queued or running: run the same command again to collect them")
-    from testbed.experiments.spec import planned_points
     from testbed.report.report import write_report
 
-    report = write_report(args.out, planned=planned_points(args.out))
+    report = write_report(args.out, planned=exp.planned())  # the grid already loaded, not its copy again
     ok = sum(1 for r in rows if r["status"] == "ok")
     print(f"{len(rows)} points ({ok} ok) in {os.path.abspath(args.out)}/results.jsonl")
     print(f"report: {report}")

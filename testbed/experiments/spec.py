@@ -498,6 +498,10 @@ class Experiment:
             link["protected_ber"] = 0.0
         return link
 
+    def planned(self) -> list[tuple[str, str, str]]:
+        """The grid as (point id, recipe, mode) triples: what the report needs to say what has not run yet."""
+        return [(p.id, p.recipe, p.mode) for p in self.points()]
+
     def points(self) -> list[Point]:
         """The grid, with any missing BER-0 baselines added, baselines first (deviation needs them)."""
         g = self.spec.grid
@@ -567,6 +571,6 @@ def planned_points(out_dir: str | Path) -> list[tuple[str, str, str]] | None:
     the report uses to say what has not run yet; None when the copy is missing or no longer loads (a moved
     topology file), and the report then goes on without saying it."""
     try:
-        return [(p.id, p.recipe, p.mode) for p in Experiment.load(Path(out_dir) / "experiment.yaml").points()]
+        return Experiment.load(Path(out_dir) / "experiment.yaml").planned()
     except Exception:  # noqa: BLE001 - only the report's "Incomplete" line depends on it
         return None
