@@ -105,7 +105,10 @@ def test_a_service_keeps_no_threads_of_earlier_points(tmp_path):
         counts = [int(line.rsplit("threads ", 1)[1].rstrip(")")) for line in log.read_text().splitlines()
                   if line.startswith("point ") and "threads " in line]
         assert len(counts) == 6, (log, counts)
-        assert max(counts) == min(counts), (log, counts)  # the same after every point: nothing piles up
+        # nothing piles up: a thread kept per point would make the count climb by 5 or more over six points; one
+        # thread of a point still going down when counted (seen once in make test, [2, 3, 2, 2, 2, 3]) is not kept
+        assert max(counts) - min(counts) <= 1, (log, counts)
+        assert counts[-1] <= counts[0] + 1, (log, counts)
 
 
 def test_wire_points_with_flips_are_the_same_cold_and_warm(tmp_path):

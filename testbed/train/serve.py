@@ -97,6 +97,20 @@ def serve_point(msg, base_env, started=None):
     return code, closed, time.monotonic() - t
 
 
+def settled_thread_count(limit_s=0.5):
+    """This process's threads once the count stops falling: a thread of the point that is still on its way out
+    (it ends within milliseconds) is not counted as kept."""
+    count = len(os.listdir("/proc/self/task"))
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = len(os.listdir("/proc/self/task"))
+        if now == count:
+            break
+        count = now
+    return count
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m testbed.train.serve", description=__doc__.split("\n")[0])
     p.add_argument("--inbox", required=True, help="directory of requests and answers")
@@ -124,7 +138,7 @@ def main(argv=None):
         common.write_json_atomic(answer_path(inbox, a.id, k), {"code": code, "exits": exits})
         # threads: a point's gloo and store threads must be gone with its process groups (tests/test_warm.py)
         print(f"point {k}: exit {code} after {time.time() - started:.2f} s (process groups down in {close_s:.2f} s,"
-              f" threads {len(os.listdir('/proc/self/task'))})"
+              f" threads {settled_thread_count()})"
               if closed else f"point {k}: exit {code}, process groups did not come down", flush=True)
         if exits:
             break
