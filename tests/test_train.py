@@ -358,7 +358,9 @@ def test_ddp_tiny_trains_and_reports(ddp_seed1):
 
 def test_a_run_says_where_its_time_went(ddp_seed1):
     """phases_s: every phase of a fresh worker's run, none negative, the steps those the metrics report, and
-    together no more than the run's wall time (each phase is the slowest rank's; they may overlap a little)."""
+    each within the run's wall time. Each phase is the slowest rank's, so on a loaded machine they overlap: in make
+    test rank 0 was slowest to import (1.65 s) while rank 1 was slowest to build (1.61 s), 4.29 s in all against a
+    3.65 s run. Each rank's own phases lie within the wall time, so their sum is at most world_size of it."""
     run_dir, summary = ddp_seed1
     ph = summary["phases_s"]
     assert set(ph) == {"launch", "import", "data", "connect", "build", "steps", "eval", "fingerprint", "loop",
@@ -366,7 +368,8 @@ def test_a_run_says_where_its_time_went(ddp_seed1):
     assert ph["import"] > 0.5  # a fresh worker imports torch (a warm service does not: tests/test_warm.py)
     steps = {r: sum(m["step_time_s"] for m in rows_of(run_dir) if m["rank"] == r) for r in (0, 1)}
     assert ph["steps"] == pytest.approx(max(steps.values()), abs=1e-3)
-    assert sum(ph.values()) <= summary["wall_time_s"] * 1.1 + 0.1
+    assert max(ph.values()) <= summary["wall_time_s"] + 0.1, ph
+    assert sum(ph.values()) <= summary["wall_time_s"] * summary["world_size"] + 0.1, ph
     assert summary["spawned_at"] <= summary["started_at"] + 1e-6
 
 

@@ -233,7 +233,13 @@ def size_fit_table(fits: list[dict]) -> list[str]:
                      theory, _slope_text(f["lambda_slope"]), f["verdict"] or "—"])
     return md_table(["recipe, mode", "sizes", "least squares on midpoints [95 % t]",
                      "slopes consistent with every interval", "theory slope", "theory at fixed λ",
-                     "theory vs measured"], rows)
+                     "measured vs theory"], rows)
+
+
+# the verdict says how the measured slope stands to the theory's ("steeper": the measured thresholds fall faster)
+SLOPE_VERDICT_TEXT = {"steeper": "the measured thresholds fall faster with size than the theory's (steeper)",
+                      "shallower": "the measured thresholds fall more slowly with size than the theory's (shallower)",
+                      "consistent": "consistent with every measured interval"}
 
 
 def prediction_table(fits: list[dict]) -> list[str]:
@@ -280,7 +286,7 @@ def _fit_sentence(f: dict) -> str:
                  "no power law passes through every interval")
     if f["theory_slope"] is not None:
         parts.append(f"theory {_slope_text(f['theory_slope'])}" + (" at fixed λ" if f["theory_basis"] == "lambda"
-                                                                     else "") + f": {f['verdict']}")
+                                                                     else "") + f": {SLOPE_VERDICT_TEXT.get(f['verdict'], f['verdict'])}")
     elif f["no_lost_steps"]:
         parts.append("the theory predicts no lost steps for this recipe, so it has no threshold and no slope")
     pub = PUBLISHED_TOLERATED_BER.get(f["family"]["mode"])
