@@ -285,8 +285,9 @@ def _fit_sentence(f: dict) -> str:
     parts.append(f"slopes consistent with every interval {_slope_interval(rng)}" if rng else
                  "no power law passes through every interval")
     if f["theory_slope"] is not None:
-        parts.append(f"theory {_slope_text(f['theory_slope'])}" + (" at fixed λ" if f["theory_basis"] == "lambda"
-                                                                     else "") + f": {SLOPE_VERDICT_TEXT.get(f['verdict'], f['verdict'])}")
+        basis = " at fixed λ" if f["theory_basis"] == "lambda" else ""
+        verdict = SLOPE_VERDICT_TEXT.get(f["verdict"], f["verdict"])
+        parts.append(f"theory {_slope_text(f['theory_slope'])}{basis}: {verdict}")
     elif f["no_lost_steps"]:
         parts.append("the theory predicts no lost steps for this recipe, so it has no threshold and no slope")
     pub = PUBLISHED_TOLERATED_BER.get(f["family"]["mode"])
