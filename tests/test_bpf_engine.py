@@ -170,7 +170,7 @@ def test_gap_tables_are_the_geometric_distribution():
 
 # -- checksum fix: corrupted bytes reach the application, exactly as counted -----------------------------------
 
-def lossless(link, attempt, tries: int = 3):
+def lossless(link, attempt, tries: int = 3, port0: int = 5001):
     """``attempt(port)`` (engine started, transfer, stats read) on a path that lost nothing after the engine.
     The engine's exactness (docs/engine.md) holds for what reaches the application only if no copy of a segment is
     lost on the way: a receiver that drops one it was handed (a full socket backlog while the loaded machine
@@ -180,12 +180,13 @@ def lossless(link, attempt, tries: int = 3):
     seen = []
     for i in range(tries):
         before = link.losses()
-        h, *rest = attempt(5001 + i)
+        h, *rest = attempt(port0 + i)
         assert link.tc_drops("a") == link.tc_drops("b") == 0  # the program drops nothing in fix mode
         lost = {k: v - before.get(k, 0) for k, v in link.losses().items() if v != before.get(k, 0)}
         if not lost:
             return (h, *rest)
         seen.append(lost)
+        print(f"attempt {i + 1} lost segments on the path, not the engine: {lost}; again", file=sys.stderr)
         stop_engine(h)
     pytest.fail(f"every attempt lost segments on the path (not the engine): {seen}")
 
@@ -298,26 +299,38 @@ def ge_count_sigma(nbits: int, ber: float, burst: float, bad_ber: float) -> floa
     return (nbits / e_cycle * var_cycle) ** 0.5
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_gilbert_elliott_mean_ber_and_burst_length(link):
     """Mean BER within its (renewal-reward) 99.9% normal interval; the application sees exactly the engine's
     flips, in bursts; with bad_ber 1 every bad bit flips, so the runs of wrong bits the application sees are the
-    bad sojourns: their mean length is the configured burst length (99.9% interval), as the engine counts it."""
+    bad sojourns: their mean length is the configured burst length (99.9% interval), as the engine counts it.
+    Both transfers go through `lossless`: a segment the loaded receiver drops comes again clean (CI once saw
+    28,157 wrong bits of 28,191 flips that way)."""
     ber, burst, n = 1e-4, 64.0, 40 * MB
     z = stats.norm.isf(ALPHA / 2)
-    h = bpf(link, ber=ber, seed=9, error_model={"type": "gilbert_elliott", "burst_length": burst})
-    pos = transfer_positions(link, n, seed=18, port=5010)
-    st = engine_stats(h)
+    ge = {"type": "gilbert_elliott", "burst_length": burst}
+
+    def attempt(port):
+        h = bpf(link, ber=ber, seed=9, error_model=ge)
+        return h, transfer_positions(link, n, seed=18, port=port), engine_stats(h)
+
+    h, pos, st = lossless(link, attempt, port0=5010)
     assert st["bits_seen"] == n * 8 and len(pos) == st["bits_flipped"]
     sigma = ge_count_sigma(n * 8, ber, burst, 0.5)
     assert abs(st["bits_flipped"] - ber * n * 8) <= z * sigma, (st["bits_flipped"], ber * n * 8, sigma)
     gaps = np.diff(pos)
     assert np.mean(gaps <= 16) > 0.9  # bursts: independent errors at 1e-4 would be ~1e4 bits apart
+    clean_after_stop(link, h)
 
-    set_engine(h, error_model={"type": "gilbert_elliott", "burst_length": burst, "bad_ber": 1.0})
-    before = engine_stats(h)
-    pos = np.array(transfer_positions(link, n, seed=19, port=5011))
-    st = engine_stats(h)
+    def attempt_bad_ber_1(port):
+        # the model changed on a running engine, as `testbed set` does
+        h = bpf(link, ber=ber, seed=9, error_model=ge)
+        set_engine(h, error_model={**ge, "bad_ber": 1.0})
+        before = engine_stats(h)
+        return h, before, np.array(transfer_positions(link, n, seed=19, port=port)), engine_stats(h)
+
+    h, before, pos, st = lossless(link, attempt_bad_ber_1, port0=5020)
+    assert st["bits_seen"] - before["bits_seen"] == n * 8
     assert len(pos) == st["bits_flipped"] - before["bits_flipped"] > 0
     starts = np.flatnonzero(np.diff(pos, prepend=-2) != 1)
     runs = np.diff(np.append(starts, len(pos)))
