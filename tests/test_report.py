@@ -688,3 +688,22 @@ def test_a_report_of_part_of_the_grid_marks_its_thresholds_provisional(tmp_path)
     assert f"(provisional: {len(part)} of {len(rows)} points)" in md.split("## Findings")[0]
     full = report.write_report(tmp_path, rows=rows, latency={"results": []}, planned=planned).read_text()
     assert "Incomplete" not in full and "provisional" not in full
+
+
+def test_loss_plot_of_a_large_grid_stacks_its_panels_and_keeps_the_legend_off_the_curves(tmp_path):
+    """A grid of many recipes and BERs (docs/results/thresholds: 36 lines per mode) drew its legends over the
+    curves and squeezed the panels; past LEGEND_INSIDE_MAX lines the panels stack and each legend sits beside
+    its panel. A small grid keeps its side-by-side panels."""
+    import matplotlib.image
+
+    small = [make_row(m, b, s) for m in ("ddp", "pp") for b in BERS for s in SEEDS]
+    large = [make_row(m, b, s, recipe=r) for m in ("ddp", "pp") for b in BERS for s in SEEDS
+             for r in ("default", "sanitize", "protect")]
+    shapes = {}
+    for name, rows in (("small", small), ("large", large)):
+        path = plots.plot_loss_vs_step(rows, tmp_path / f"{name}.png")
+        assert_valid_png(path)
+        shapes[name] = matplotlib.image.imread(path).shape[:2]
+    assert len({(r["recipe"], r["ber"]) for r in large}) > plots.LEGEND_INSIDE_MAX >= len(BERS)
+    assert shapes["small"][1] > shapes["small"][0]  # two panels side by side: wider than tall
+    assert shapes["large"][0] > 1.5 * shapes["small"][0]  # two panels one above the other

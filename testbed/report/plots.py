@@ -181,7 +181,14 @@ def plot_loss_vs_step(rows: list[dict], path) -> Path | None:
     colors = ber_colors({ber_of(r) for r in rows})
     styles = ("-", "--", ":", "-.")
     panel_modes = modes(with_curves)
-    fig, axes = _figure(len(panel_modes))
+    lines = max(len({(config_of(r), ber_of(r)) for r in with_curves if config_of(r)[0] == m}) for m in panel_modes)
+    stacked = lines > LEGEND_INSIDE_MAX  # a grid of many recipes and BERs: panels one above the other
+    if stacked:
+        fig = Figure(figsize=(15.0, max(4.5, 0.17 * -(-lines // 2) + 1.0) * len(panel_modes)), dpi=DPI,
+                     layout="tight")
+        axes = list(fig.subplots(len(panel_modes), 1, squeeze=False)[:, 0])
+    else:
+        fig, axes = _figure(len(panel_modes))
     for ax, mode in zip(axes, panel_modes):
         mode_configs = [c for c in all_configs if c[0] == mode]
         plotted, initial = [], []
@@ -208,8 +215,20 @@ def plot_loss_vs_step(rows: list[dict], path) -> Path | None:
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats/token)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    _legends(axes, stacked)
     return save_figure(fig, path)
+
+
+LEGEND_INSIDE_MAX = 10  # more lines than this and a legend inside covers the curves
+
+
+def _legends(axes, stacked: bool) -> None:
+    """Inside each panel when short; stacked panels (many lines) get theirs on the right, in two columns."""
+    for ax in axes:
+        if stacked:
+            ax.legend(fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        else:
+            ax.legend(fontsize=8)
 
 
 def _plot_per_run(ax, rows: list[dict], field: str, color, clean_x: float | None, value=finite) -> list[float]:
