@@ -491,7 +491,9 @@ def test_keep_turns_the_offload_off_only_while_frames_can_be_flipped(link):
     _, rres = transfer(link, 5 * MB, seed=23)
     st = engine_stats(h)
     assert rres["bit_errors"] == 0 and st["bits_flipped"] == 0 and st["keep_gso_passed"] == 0
-    assert st["packets_gso"] > 0 and st["bits_seen"] == 5 * MB * 8  # super-packets, counted: none can flip
+    # super-packets, counted: none can flip. keep draws a retransmission again, as a real link would, so a
+    # spurious one of the loaded machine is counted too (CI once saw 1,672 bytes more): at least every byte once
+    assert st["packets_gso"] > 0 and st["bits_seen"] >= 5 * MB * 8
     set_engine(h, ber=1e-5)
     assert not tx() and engine_stats(h)["tx_checksum_off"]["was_on"]
     detach_engine(h)
