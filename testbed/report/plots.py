@@ -65,10 +65,16 @@ def ber_colors(bers) -> dict:
 # Figure helpers
 # ---------------------------------------------------------------------------------------------------------------
 
-def _figure(n_panels: int, width: float = 6.0, height: float = 4.5) -> tuple[Figure, list]:
+LEGEND_INSIDE_MAX = 10  # more lines than this and a legend inside covers the curves
+
+
+def _figure(n_panels: int, width: float = 6.0, height: float = 4.5, stacked: bool = False) -> tuple[Figure, list]:
+    """Panels side by side, or one above the other (stacked)."""
+    if stacked:
+        fig = Figure(figsize=(width, height * n_panels), dpi=DPI, layout="tight")
+        return fig, list(fig.subplots(n_panels, 1, squeeze=False)[:, 0])
     fig = Figure(figsize=(width * n_panels, height), dpi=DPI, layout="tight")
-    axes = fig.subplots(1, n_panels, squeeze=False)[0]
-    return fig, list(axes)
+    return fig, list(fig.subplots(1, n_panels, squeeze=False)[0])
 
 
 def save_figure(fig: Figure, path) -> Path:
@@ -183,12 +189,8 @@ def plot_loss_vs_step(rows: list[dict], path) -> Path | None:
     panel_modes = modes(with_curves)
     lines = max(len({(config_of(r), ber_of(r)) for r in with_curves if config_of(r)[0] == m}) for m in panel_modes)
     stacked = lines > LEGEND_INSIDE_MAX  # a grid of many recipes and BERs: panels one above the other
-    if stacked:
-        fig = Figure(figsize=(15.0, max(4.5, 0.17 * -(-lines // 2) + 1.0) * len(panel_modes)), dpi=DPI,
-                     layout="tight")
-        axes = list(fig.subplots(len(panel_modes), 1, squeeze=False)[:, 0])
-    else:
-        fig, axes = _figure(len(panel_modes))
+    fig, axes = (_figure(len(panel_modes), 15.0, max(4.5, 0.17 * -(-lines // 2) + 1.0), stacked=True) if stacked
+                 else _figure(len(panel_modes)))
     for ax, mode in zip(axes, panel_modes):
         mode_configs = [c for c in all_configs if c[0] == mode]
         plotted, initial = [], []
@@ -217,9 +219,6 @@ def plot_loss_vs_step(rows: list[dict], path) -> Path | None:
         ax.grid(alpha=0.3)
     _legends(axes, stacked)
     return save_figure(fig, path)
-
-
-LEGEND_INSIDE_MAX = 10  # more lines than this and a legend inside covers the curves
 
 
 def _legends(axes, stacked: bool) -> None:
