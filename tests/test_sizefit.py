@@ -355,9 +355,9 @@ def test_bad_recipe_bers_and_seeds_name_the_field(tmp_path, recipe, expect):
 def test_thresholds_yaml_loads_and_expands_to_the_documented_grid():
     exp = Experiment.load(ROOT / "experiments" / "thresholds.yaml")
     pts = exp.points()
-    assert len(pts) == 312  # the count the file's header gives: 300, then the 12 of the extension
+    assert len(pts) == 318  # the count the file's header gives: 300, then the 18 of the two extensions
     by_model = {m: [p for p in pts if exp.model_of(p.recipe) == m] for m in MODELS}
-    assert {m: len(v) for m, v in by_model.items()} == {"tiny": 120, "small": 120, "mini": 72}
+    assert {m: len(v) for m, v in by_model.items()} == {"tiny": 120, "small": 120, "mini": 78}
     assert exp.spec.tolerance == 0.01 and {exp.tokens_per_step(p) for p in pts} == {512}
     assert {exp.train_settings(p).injector for p in pts} == {"process"}
     assert {exp.steps_of(p.recipe) for p in pts} == {300}  # one step count at every size
@@ -373,8 +373,9 @@ def test_thresholds_yaml_loads_and_expands_to_the_documented_grid():
                 bers = sorted({p.ber for p in mine if p.ber > 0})
                 assert all(b2 / b1 == pytest.approx(10 ** 0.5, rel=0.06) for b1, b2 in zip(bers, bers[1:]))
                 assert len(mine) == len(seeds) * (len(bers) + 1)  # every BER and the clean run, every seed
-                if model == "mini":  # DDP two half-decades lower (the extension)
-                    assert len(seeds) >= 3 and len(bers) == (6 if mode == "ddp" else 4)
+                if model == "mini":  # DDP two half-decades lower (the extension), sanitize two more (the second)
+                    want = {"ddp": 8 if guard == "sanitize" else 6, "pp": 4}[mode]
+                    assert len(seeds) >= 3 and len(bers) == want, (recipe, mode, bers)
                 else:
                     assert len(seeds) >= 5
                 if guard == "skip":  # the default grid spans lambda ~0.02-0.05 up to ~1
