@@ -312,12 +312,21 @@ def test_gilbert_elliott_mean_ber_and_burst_length(link):
     z = stats.norm.isf(ALPHA / 2)
     ge = {"type": "gilbert_elliott", "burst_length": burst}
 
+    def csum_errors():
+        return link.snmp("b")["InCsumErrors"]
+
     def attempt(port):
         h = bpf(link, ber=ber, seed=9, error_model=ge)
-        return h, transfer_positions(link, n, seed=18, port=port), engine_stats(h)
+        csum0 = csum_errors()
+        return h, transfer_positions(link, n, seed=18, port=port), engine_stats(h), csum0
 
-    h, pos, st = lossless(link, attempt, port0=5010)
-    assert st["bits_seen"] == n * 8 and len(pos) == st["bits_flipped"]
+    # Session 13's CI saw this fail twice in five runs with fewer wrong bits than flips and no path loss; 90 runs
+    # since (quiet and loaded) never did. Should it come back, the message says which way the flips went: counted
+    # but not written (flips_applied) or written into a segment whose checksum fix the receiver rejected.
+    h, pos, st, csum0 = lossless(link, attempt, port0=5010)
+    why = dict(st, wrong_bits=len(pos), receiver_csum_errors=csum_errors() - csum0)
+    assert st["flips_applied"] == st["bits_flipped"], why
+    assert st["bits_seen"] == n * 8 and len(pos) == st["bits_flipped"], why
     sigma = ge_count_sigma(n * 8, ber, burst, 0.5)
     assert abs(st["bits_flipped"] - ber * n * 8) <= z * sigma, (st["bits_flipped"], ber * n * 8, sigma)
     gaps = np.diff(pos)
@@ -328,12 +337,14 @@ def test_gilbert_elliott_mean_ber_and_burst_length(link):
         # the model changed on a running engine, as `testbed set` does
         h = bpf(link, ber=ber, seed=9, error_model=ge)
         set_engine(h, error_model={**ge, "bad_ber": 1.0})
-        before = engine_stats(h)
-        return h, before, np.array(transfer_positions(link, n, seed=19, port=port)), engine_stats(h)
+        before, csum0 = engine_stats(h), csum_errors()
+        return h, before, np.array(transfer_positions(link, n, seed=19, port=port)), engine_stats(h), csum0
 
-    h, before, pos, st = lossless(link, attempt_bad_ber_1, port0=5020)
+    h, before, pos, st, csum0 = lossless(link, attempt_bad_ber_1, port0=5020)
+    why = dict(st, wrong_bits=len(pos), receiver_csum_errors=csum_errors() - csum0)
+    assert st["flips_applied"] - before["flips_applied"] == st["bits_flipped"] - before["bits_flipped"], why
     assert st["bits_seen"] - before["bits_seen"] == n * 8
-    assert len(pos) == st["bits_flipped"] - before["bits_flipped"] > 0
+    assert len(pos) == st["bits_flipped"] - before["bits_flipped"] > 0, why
     starts = np.flatnonzero(np.diff(pos, prepend=-2) != 1)
     runs = np.diff(np.append(starts, len(pos)))
     assert len(runs) > 300
