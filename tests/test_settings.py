@@ -111,6 +111,8 @@ def test_settings_across_fields_and_unknown_ones_are_errors(tmp_path):
         TrainSettings(mode="ddp", steps=1, seq_len=65)
     with pytest.raises(ValueError, match=r"^microbatches: must divide batch_size 8"):
         TrainSettings(mode="pp", steps=1, microbatches=3)
+    with pytest.raises(ValueError, match=r"^resync_every: only ddp has replicas"):
+        TrainSettings(mode="pp", steps=1, resync_every=1)
     with pytest.raises(Exception, match=r"train\.batch_sise"):
         Experiment.load(experiment_file(tmp_path, "{batch_sise: 4}"))
     for unset in ("mode", "steps"):  # set outside train: in an experiment file

@@ -153,6 +153,8 @@ FIELDS: tuple[Field, ...] = (
     _f("clip", "str?", "gradient clipping: `norm`, `value` or `none`"),
     _f("guard", "str?", "what a non-finite step does: `skip`, `stop`, `none`, `sanitize`"),
     _f("sanitize_threshold", "float?", "guard sanitize: received values above it are zeroed"),
+    _f("resync_every", "int?", "DDP control: rank 0's parameters and optimizer state copied to every replica "
+                               "every K steps (0: never)"),
     _f("wire_dtype", "str?", "dtype on the data link: `fp32`, `bf16`, `fp16`"),
     _f("wire_bytes_per_step", "float?", "bytes a rank hands to the data link per step (median)"),
     _f("element", "str?", "engine: the value type it corrupts (scope tensor); null: fp32"),

@@ -137,8 +137,20 @@ class DDPTrainer:
             self.opt.step()
         if a.perturb == "weight-lsb":  # one parameter value, after the update
             self.perturbed = recipe.perturb_lsb_(params, step, "weight")
+        if a.resync_every and (step + 1) % a.resync_every == 0:
+            self.resync()
         return {"loss": float(t[0]) / self.world_size, "loss_local": loss_local, "grad_norm": grad_norm,
                 "skipped": skipped, "lr": lr, "perturbed": self.perturbed, **self.stats}
+
+    @torch.no_grad()
+    def resync(self):
+        """Every replica takes rank 0's parameters and optimizer state (moments, step counts), sent over the
+        management network, which corrupts nothing: after it the replicas are bit for bit alike."""
+        params = [p for group in self.opt.param_groups for p in group["params"]]  # the same order on every rank
+        tensors = params + [v for p in params for _, v in sorted(self.opt.state.get(p, {}).items())
+                            if torch.is_tensor(v)]
+        for t in tensors:
+            self.mgmt.broadcast([t], dist.BroadcastOptions()).wait()  # root 0 by default
 
     def frozen_values(self):
         return recipe.frozen_values(self.opt)

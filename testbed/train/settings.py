@@ -253,6 +253,10 @@ class TrainSettings:
                                    "batch), so the loss mean and every weight gradient sum over the batch in "
                                    "another order (the same mathematics, other rounding); none: no control",
                            choices=PERTURBATIONS)
+    resync_every: int = setting(0, "ddp, a control: every K steps, after the update, copy rank 0's parameters and "
+                                   "optimizer state to every replica over the clean management network, so the "
+                                   "replicas cannot drift apart (guard sanitize zeroes values on each rank "
+                                   "separately); 0: never", ge=0)
     # the launcher's own settings: not passed to the workers
     on_detection: str = setting("none", "with --monitor: what the launcher does when a detector first becomes "
                                         "confident: none, or clean: set the named link's BER to 0 on both "
@@ -285,6 +289,8 @@ class TrainSettings:
         if self.device == "cuda" and (self.injector != "process" or self.mode != "ddp"):
             raise ValueError("device: cuda needs injector process and mode ddp (the wire's hosts and PP's "
                              f"pipeline run on CPU), got injector {self.injector}, mode {self.mode}")
+        if self.resync_every and self.mode != "ddp":
+            raise ValueError(f"resync_every: only ddp has replicas to re-synchronise, got mode {self.mode}")
         if self.on_detection != "none" and not self.monitor:
             raise ValueError(f"on_detection: {self.on_detection} needs monitor (the detectors read its records)")
         if self.mode == "pp" and self.microbatches and self.batch_size % self.microbatches:
