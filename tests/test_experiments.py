@@ -180,7 +180,7 @@ def test_bad_experiment_file_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "topologies.pp" in r.stderr
 
 
-@pytest.mark.parametrize("file", ["quick.yaml", "recipes.yaml", "thresholds.yaml", "paper-ddp.yaml", "paper-pp.yaml"])
+@pytest.mark.parametrize("file", ["quick.yaml", "recipes.yaml", "thresholds.yaml", "resync.yaml", "paper-ddp.yaml", "paper-pp.yaml"])
 def test_shipped_experiments_load(file):
     from testbed.experiments.spec import Experiment
 
