@@ -176,6 +176,20 @@ def test_fingerprints_are_per_recipe_and_unchanged_without_recipes(tmp_path):
     assert plain.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+@pytest.mark.parametrize("name", ["thresholds", "scaling", "resync"])
+def test_shipped_results_still_resume_against_their_experiment_files(name):
+    """docs/results/NAME was run from experiments/NAME.yaml: every row's fingerprint is still the one the file gives
+    its recipe, so `testbed run ... --out` on those results reruns nothing. A training setting added without its
+    default in LATER_DEFAULTS changes every fingerprint and fails this (it did for resync_every)."""
+    import json
+
+    exp = Experiment.load(ROOT / "experiments" / f"{name}.yaml")
+    rows = [json.loads(line) for line in open(ROOT / "docs" / "results" / name / "results.jsonl")]
+    wrong = [r["point"] for r in rows
+             if r["fingerprint"] != exp.fingerprint(None if r["runtime"] == "loopback" else r["runtime"], r["recipe"])]
+    assert rows and not wrong, f"{len(wrong)} of {len(rows)} rows, e.g. {wrong[:3]}"
+
+
 def test_unknown_recipe_in_the_grid_names_the_line(tmp_path):
     text = RECIPES.replace("recipe: [default, sanitize, protect, bf16]", "recipe: [default, sanitise]")
     path = write(tmp_path, text)
