@@ -102,6 +102,30 @@ def _summary(ber: float) -> dict:
             "config": {"batch_size": 4, "seq_len": 32, "microbatches": None, "lr": 1e-3, "grad_clip": 1.0}}
 
 
+def test_a_point_whose_baseline_run_is_missing_has_no_deviation(tmp_path):
+    """Only the clean run is 0 away from itself. A BER-0 control or a BER point whose baseline's run directory
+    is not here (results resumed without points/) has an unknown deviation: None, not 0 (which the chaos floor
+    would read as "bit-identical to the clean run")."""
+    f = tmp_path / "ctl.yaml"
+    f.write_text(f"name: rows\nmodel: tiny\nsteps: {STEPS}\ntopologies: {{ddp: {ROOT}/topologies/pair.yaml}}\n"
+                 "recipes: {ctl: {baseline: default, train: {perturb: order}}}\n"
+                 "grid: {mode: [ddp], ber: [0, 1e-5], recipe: [default, ctl]}\n")
+    exp = Experiment.load(f)
+    by_id = {p.id: p for p in exp.points()}
+    clean, noisy, control = (next(p for p in by_id.values() if p.recipe == r and (p.ber > 0) == b)
+                             for r, b in (("default", False), ("default", True), ("ctl", False)))
+    assert control.baseline.id == clean.id
+    for p, drift in ((clean, 0.0), (noisy, 0.5), (control, 0.25)):
+        _fake_run(tmp_path / "points" / p.id, drift=drift, shift=0.0)
+    rows = {p.id: runner.point_row(exp, p, _summary(p.ber), tmp_path / "points" / p.id, None)
+            for p in (clean, noisy, control)}
+    assert (rows[clean.id]["final_deviation"], rows[clean.id]["final_deviation_exact"]) == (0.0, True)
+    assert rows[noisy.id]["final_deviation"] is None and rows[control.id]["final_deviation"] is None
+    # with the baseline's run there, the control's deviation is measured
+    row = runner.point_row(exp, control, _summary(0.0), tmp_path / "points" / control.id, tmp_path / "points" / clean.id)
+    assert row["final_deviation"] == pytest.approx(0.25 * np.sqrt(8)) and row["final_deviation_exact"] is False
+
+
 def test_point_row_has_exactly_the_schema_fields(tmp_path):
     exp = _experiment(tmp_path)
     clean, noisy = exp.points()

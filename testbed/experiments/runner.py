@@ -160,8 +160,10 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
             # estimated from the sampled coordinates at the last step (large models save no parameters)
             row["final_deviation"] = row["deviation_curve"][-1][1]
             row["final_deviation_exact"] = False
-    elif point.ber == 0:
+    elif point.baseline.id == point.id:  # the clean run itself: its own baseline
         row["final_deviation"], row["final_deviation_exact"] = 0.0, True
+    # else (a BER point or a BER-0 control whose baseline's run directory is not here, e.g. results resumed
+    # without points/): the deviation is unknown, None, never 0
     if point.mode == "ddp":
         div = replica_divergence(run_dir)
         worst: dict[int, float] = {}
