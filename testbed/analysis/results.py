@@ -162,7 +162,9 @@ FIELDS: tuple[Field, ...] = (
                           "null: none"),
     _f("protected_ber", "float?", "engine: residual error rate of protected bits"),
     _f("collectives", "list?", "[str]: what `scope: tensor` corrupted (DDP: allreduce; PP: p2p); null otherwise"),
-    _f("machine", "dict", "`uname`, `cpus`, `hostname` of the machine that ran the point"),
+    _f("machine", "dict", "`uname`, `cpus`, `hostname`, `cpu` (model name), `vector` (widest of avx512f, avx2, "
+                          "sse4_2) and `torch` (version) of the machine that ran the point: bit-identical runs need "
+                          "the same CPU kind and torch (docs/experiments.md)"),
     _f("placement", "dict?", "{host: machine}: where every host ran when the point ran across machines "
                              "(`testbed run --machines`); null: all on this machine"),
     _f("fault_link", "str?", "experiments with a `fault:`: the one link at the point's BER (both directions; the "

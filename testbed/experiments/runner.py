@@ -136,7 +136,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         protected_ber=link.get("protected_ber"),
         collectives=(train_config(exp, point).collectives or DEFAULT_COLLECTIVES[point.mode])
         if point.scope == "tensor" else None,
-        machine={"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node()},
+        machine=this_machine(),
         wall_time_s=summary.get("wall_time_s"), phase_times_s=phase_times(summary, started),
         finished_at=time.time(), image_digest=summary.get("image_digest"),
         placement=summary.get("machines"),
@@ -178,6 +178,30 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         elif row["replica_divergence_curve"]:
             row["final_replica_divergence"] = row["replica_divergence_curve"][-1][1]
     return row
+
+
+def this_machine() -> dict:
+    """The row's `machine`: what decides whether two runs of one point can be bit-identical. Across CPU kinds or
+    torch versions float kernels may round differently (docs/experiments.md), so the CPU's model and widest vector
+    extension and torch's version are kept beside the kernel and host (torch's version read without importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu, flags = None, set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu is None:
+                cpu = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = None
+    return {"uname": " ".join(platform.uname()), "cpus": os.cpu_count(), "hostname": platform.node(), "cpu": cpu,
+            "vector": next((f for f in ("avx512f", "avx2", "sse4_2") if f in flags), None), "torch": torch_version}
 
 
 def phase_times(summary: dict, started: float | None) -> dict | None:
