@@ -111,8 +111,7 @@ def test_a_point_whose_baseline_run_is_missing_has_no_deviation(tmp_path):
                  "recipes: {ctl: {baseline: default, train: {perturb: order}}}\n"
                  "grid: {mode: [ddp], ber: [0, 1e-5], recipe: [default, ctl]}\n")
     exp = Experiment.load(f)
-    by_id = {p.id: p for p in exp.points()}
-    clean, noisy, control = (next(p for p in by_id.values() if p.recipe == r and (p.ber > 0) == b)
+    clean, noisy, control = (next(p for p in exp.points() if p.recipe == r and (p.ber > 0) == b)
                              for r, b in (("default", False), ("default", True), ("ctl", False)))
     assert control.baseline.id == clean.id
     for p, drift in ((clean, 0.0), (noisy, 0.5), (control, 0.25)):

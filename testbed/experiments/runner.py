@@ -11,6 +11,7 @@ brought up topology with fresh workers), and keep results safe across interrupti
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import math
 import os
@@ -136,7 +137,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         protected_ber=link.get("protected_ber"),
         collectives=(train_config(exp, point).collectives or DEFAULT_COLLECTIVES[point.mode])
         if point.scope == "tensor" else None,
-        machine=this_machine(),
+        machine=dict(this_machine()),
         wall_time_s=summary.get("wall_time_s"), phase_times_s=phase_times(summary, started),
         finished_at=time.time(), image_digest=summary.get("image_digest"),
         placement=summary.get("machines"),
@@ -180,6 +181,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
     return row
 
 
+@functools.cache  # one machine per process: /proc/cpuinfo read once, not for every point's row
 def this_machine() -> dict:
     """The row's `machine`: what decides whether two runs of one point can be bit-identical. Across CPU kinds or
     torch versions float kernels may round differently (docs/experiments.md), so the CPU's model and widest vector
