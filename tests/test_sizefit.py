@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from testbed.analysis import analysis, results, sizefit, theory
+from testbed.analysis import analysis, formatting, results, sizefit, theory
 from testbed.experiments.spec import Experiment
 from testbed.topology.yamlfile import InputError
 from testbed.train.model import PRESETS
@@ -299,6 +299,34 @@ def test_report_section_renders_from_synthetic_rows(tmp_path):
     one = [r for r in rows if r["model"] == "tiny"]
     plain = write_report(tmp_path / "one", rows=one, latency={}, experiment={}).read_text()
     assert head not in plain
+
+
+def test_a_ladders_summary_leads_with_the_trend_and_leaves_its_controls_out(tmp_path):
+    """The one-screen summary of a size ladder (issue 22, item 7): rows smallest model first, the headline gives
+    each size's interval and the 124M extrapolation beside the paper's number, and a recipe run at BER 0 alone (a
+    chaos-floor control) has no "no threshold" row, finding or ordering: one line names it."""
+    from testbed.report.report import write_report
+
+    truth, grids = synthetic_ladder()
+    rows = ladder_rows(truth, grids)
+    for mode in ("ddp", "pp"):  # a control: BER 0 only, against tiny's clean run
+        for s in SEEDS:
+            r = row("tiny", mode, "tiny-lsb", 0.0, s, 5.0 + 0.05 * s)
+            rows.append(r | {"baseline": f"{mode}-ber0-tensor-fix-tiny-s{s}", "perturb": "lsb"})
+    md = write_report(tmp_path, rows=rows, latency={}, experiment={"name": "ladder"}).read_text()
+    summary = md[md.index("## Summary"):md.index("## Findings")]
+    table = [line.split(" |")[0] for line in summary.splitlines() if line.startswith("| ") and "paper" not in line]
+    assert table[1:] == ["| tiny", "| small", "| mini"], table
+    assert "no threshold" not in summary and "tiny-lsb" not in "".join(table)
+    assert "Run at BER 0 only, so without a threshold (controls: the chaos floor below): tiny-lsb." in summary
+    fits = {f["label"]: f for f in sizefit.size_fits(analysis.thresholds(analysis.aggregate(rows)))}
+    ddp = fits["default DDP"]
+    assert ddp["prediction_ber"]["ber"] is not None
+    assert (f"default DDP: tiny {'{} – {}'.format(*map(formatting.ber_text, ddp['sizes'][0]['interval']))}"
+            in summary)
+    assert f"124M {formatting.ber_text(ddp['prediction_ber']['ber'])}" in summary and "(paper: < 1e-04)" in summary
+    findings = md[md.index("## Findings"):md.index("## Setup")]
+    assert "tiny-lsb" not in findings and "threshold is missing" not in md
 
 
 # ---- recipe ber: and seed:, experiments/thresholds.yaml ---------------------------------------------------------

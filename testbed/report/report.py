@@ -30,7 +30,7 @@ from testbed.locate.scores import locate_section
 from testbed.report import plots
 from testbed.analysis import theory
 from testbed.report.calibration import calibration_section
-from testbed.report.scaling import scaling_section, size_threshold_section
+from testbed.report.scaling import ladder_headline, scaling_section, size_threshold_section
 from testbed.analysis.analysis import (BOUND_LEVEL, LATENCY_STATS, PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES,
                                       aggregate, deviation_fits, interval, latency_entries, orderings, point_config,
                                       published_verdict, retransmission_penalties, sum_or_none, theory_comparison,
@@ -279,6 +279,32 @@ def interval_text(ok: float | None, fail: float | None) -> str:
 def _has_threshold(t: dict) -> bool:
     """A threshold to report: the config has a baseline and a BER > 0."""
     return t["tolerance_abs"] is not None and bool(t["tested_bers"])
+
+
+def reported(th: dict) -> dict:
+    """The configs the threshold tables and sentences cover: every one the paired rule applies to, less those run
+    at BER 0 alone (the chaos floor's controls) when other configs have BERs to judge: such a config has no
+    threshold by design, and a row of "no threshold" per control only hides the answer (issue 22, item 7)."""
+    # a size ladder reads smallest model first; within a size (or with one model) the configs keep their order
+    applies = dict(sorted(((k, t) for k, t in th.items() if t["applies"]),
+                          key=lambda kt: kt[1].get("n_params") or 0))
+    if not any(t["tested_bers"] for t in applies.values()):
+        return applies
+    return {k: t for k, t in applies.items() if t["tested_bers"]}
+
+
+def clean_only_line(th: dict) -> str | None:
+    """One line naming the recipes that ran at BER 0 only, when reported() left them out; None otherwise."""
+    kept = reported(th)
+    names = sorted({t["recipe"] for k, t in th.items() if t["applies"] and k not in kept})
+    if not names:
+        return None
+    return (f"Run at BER 0 only, so without a threshold (controls: the chaos floor below): {', '.join(names)}.")
+
+
+def _orderings(th: dict) -> list[dict]:
+    """orderings() of the reported configs: a control recipe (BER 0 in both modes) has no ordering to state."""
+    return orderings(reported(th))
 
 
 def _measured_cell(t: dict) -> str:
@@ -854,6 +880,9 @@ def _passes_text(t: dict) -> str:
     return f"passes up to {ber_text(ok)} and fails from {ber_text(fail)}"
 
 
+SENSITIVITY_NAMED = 4  # the summary names at most this many moving intervals, else counts them
+
+
 def _sensitivity_sentence(th: dict, tolerance: float) -> str:
     """Sentence 3: how far the intervals move between the smallest and the largest tolerance of the table."""
     ts = [t for t in th.values() if _has_threshold(t)]
@@ -864,9 +893,12 @@ def _sensitivity_sentence(th: dict, tolerance: float) -> str:
     if not moved:
         return (f"The intervals do not depend on the tolerance: each is the same from {_pct(lo)} to {_pct(hi)} of "
                 "the clean eval loss.")
+    still = f"{len(ts) - len(moved)} of {len(ts)} intervals stay put" if len(moved) < len(ts) else "No interval stays put"
+    if len(moved) > SENSITIVITY_NAMED:  # a one-screen summary: the table under "Thresholds" has them all
+        return (f"{still} from {_pct(lo)} to {_pct(hi)} tolerance; the {len(moved)} that move are in the "
+                "sensitivity table under \"Thresholds\".")
     words = [f"{_short_name(t)} {interval_text(*t['sensitivity'][lo])} at {_pct(lo)} to "
              f"{interval_text(*t['sensitivity'][hi])} at {_pct(hi)}" for t in moved]
-    still = f"{len(ts) - len(moved)} of {len(ts)} intervals stay put" if len(moved) < len(ts) else "No interval stays put"
     return f"{still} from {_pct(lo)} to {_pct(hi)} tolerance; moving: {'; '.join(words)}."
 
 
@@ -891,9 +923,12 @@ def summary_section(rows: list[dict], th: dict, tolerance: float, source: str) -
            f"Paired rule: per seed, gap = eval loss at the BER - eval loss at BER 0 with the same seed; a BER passes "
            f"when every run made progress and the one-sided {100 * BOUND_LEVEL:g} % upper bound (Student's t) of the mean "
            f"gap is at most {_pct(tolerance)} of the clean eval loss (tolerance: {source}). The threshold lies "
-           "between the last passing and the first failing BER.", "", summary_table(th), ""]
-    sentences = [_headline(th, setup)]
-    ords = orderings(th)
+           "between the last passing and the first failing BER.", "", summary_table(reported(th)), ""]
+    clean_only = clean_only_line(th)
+    out += [clean_only, ""] if clean_only else []
+    ladder = ladder_headline(th) if len(sizes) > 1 else None  # a size ladder: the answer is the trend with size
+    sentences = [f"On {setup}. {ladder}" if ladder else _headline(th, setup)]
+    ords = _orderings(th)
     if ords:
         sentences.append(ordering_summary(ords))
     sentences.append(_sensitivity_sentence(th, tolerance))
@@ -922,8 +957,8 @@ def _findings(rows, agg: list[dict], th: dict, fits: dict, latency) -> list[str]
                       ""]
     if not any(is_ok(r) for r in rows):
         out.append("- No run finished with status ok: every point crashed, hung, diverged or failed.")
-    out += ["- " + threshold_sentence(t) for t in th.values() if t["applies"] and any_eval(rows)]
-    ords = orderings(th)
+    out += ["- " + threshold_sentence(t) for t in reported(th).values() if any_eval(rows)]
+    ords = _orderings(th)
     if ords:
         out += ["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)]
     comp = [] if one_link_faults(rows) else theory_comparison(agg)
@@ -1024,13 +1059,15 @@ def thresholds_section(agg: list[dict], th: dict, tolerance: float, tol_source: 
           "experiment's model and step count may differ.", "",
           "Tolerated BER per recipe and mode (measured: last passing – first failing BER; theory: as above; "
           "tokens/step: tokens per optimizer step, equal for both modes when the comparison is fair):", "",
-          threshold_matrix(th), "", thresholds_table(th), ""]
+          threshold_matrix(reported(th)), "", thresholds_table(reported(th)), ""]
+    clean_only = clean_only_line(th)
+    md += [clean_only, ""] if clean_only else []
     if any(_has_threshold(t) for t in th.values()):
         md += ["Sensitivity: the same rule at other tolerances (percent of the clean mean eval loss):", "",
                sensitivity_table(th, tolerance), "", "Paired gaps per BER (nats; positive = worse than clean):", "",
                paired_table(agg, th), ""]
-    md += ["- " + threshold_sentence(t) for t in th.values() if t["applies"]]
-    ords = orderings(th)
+    md += ["- " + threshold_sentence(t) for t in reported(th).values()]
+    ords = _orderings(th)
     md += (["- " + ordering_sentence(o) for o in ords] + ["- " + ordering_summary(ords)] if ords else []) + [""]
     return md + [_plot_line("eval_loss_vs_ber.png", drawn), ""]
 

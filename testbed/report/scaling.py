@@ -304,6 +304,24 @@ def _fit_sentence(f: dict) -> str:
 
 
 
+def ladder_headline(th: dict) -> str | None:
+    """The summary's first sentence for a size ladder: per recipe kind and mode, the interval at each size,
+    smallest first, and the fitted 124M value with its every-line range beside the paper's number; None when no
+    recipe has thresholds at two sizes (provisional ones, of an incomplete grid, are left out as in the fit)."""
+    fits = sizefit.size_fits({k: t for k, t in th.items() if not t.get("incomplete")})
+    if not fits:
+        return None
+    parts = []
+    for f in fits:
+        sizes = ", ".join(f"{s['model']} {_interval_cell(s['interval'])}" for s in f["sizes"])
+        p, pub = f["prediction_ber"], PUBLISHED_TOLERATED_BER.get(f["family"]["mode"])
+        pred = "" if p["ber"] is None else f"; 124M {ber_text(p['ber'])}" + (
+            f" (every line {range_text(*p['range'])})" if p["range"] else "")
+        parts.append(f"{f['label']}: {sizes}{pred}" + (f" (paper: < {ber_text(pub)})" if pub is not None else ""))
+    return ("Threshold per size (last passing – first failing BER), and GPT-2 124M extrapolated by the size fit "
+            "(section \"Thresholds against model size\"): " + "; ".join(parts) + ".")
+
+
 def size_threshold_section(th: dict, tolerance: float, out_dir: Path, rows: list[dict] | None = None,
                            train: dict | None = None) -> list[str]:
     """The section's markdown lines (and its plot, into out_dir); [] unless a recipe has thresholds at two sizes
