@@ -147,13 +147,13 @@ def test_scaling_yaml_loads_with_every_size():
 # ---- the analysis on synthetic rows ----------------------------------------------------------------------------
 
 def row(model="tiny", mode="ddp", recipe="tiny", ber=0.0, lam=None, skipped=0, steps=100, guard="skip",
-        protect=None, sanitized=None, perturb="none", deviation=None, seed=1, status="ok"):
+        protect=None, sanitized=None, perturb="none", deviation=None, seed=1, status="ok", injector="wire"):
     return {"point": f"{mode}-{ber}-{recipe}-s{seed}", "recipe": recipe, "mode": mode, "ber": ber,
             "ber_at_lambda": lam, "scope": "tensor", "checksum": "fix", "seed": seed, "model": model,
             "n_params": theory.param_count(model), "world_size": 2, "batch_size": 4 if mode == "ddp" else 8,
             "seq_len": 64, "steps": steps, "steps_completed": steps, "skipped_steps": skipped, "status": status,
             "guard": guard, "protect": protect, "sanitized_values": sanitized, "perturb": perturb,
-            "final_deviation": deviation, "lr": 1e-3, "injector": "wire", "median_step_time_s": 0.05,
+            "final_deviation": deviation, "lr": 1e-3, "injector": injector, "median_step_time_s": 0.05,
             "wall_time_s": 6.0}
 
 
@@ -162,8 +162,10 @@ def test_lambda_cell_verdicts_follow_the_binomial_interval():
     p = -math.expm1(-ber * 2 * theory.param_count("tiny"))
     lo, hi = scaling.binomial_interval(200, p)
     assert lo < 200 * p < hi
-    rows = [row(ber=ber, lam=1.0, skipped=k, seed=s) for s, k in ((1, lo // 2), (2, lo - lo // 2))]  # exactly lo
+    # the process injector: each seed its own flips, so the two runs' steps pool into 200 trials
+    rows = [row(ber=ber, lam=1.0, skipped=k, seed=s, injector="process") for s, k in ((1, lo // 2), (2, lo - lo // 2))]
     (cell,) = scaling.lambda_cells(rows)
+    assert not cell["shared_flips"]
     assert cell["lost"] == lo and cell["steps"] == 200 and cell["lost_verdict"] == "agrees"
     assert cell["wire_lambda"] == pytest.approx(1.0, rel=5e-3)
     rows[0]["skipped_steps"] -= 1
@@ -177,6 +179,29 @@ def test_lambda_cell_verdicts_follow_the_binomial_interval():
     assert cell["sanitized_verdict"] is not None
     san[0]["skipped_steps"] = 1
     assert scaling.lambda_cells(san)[0]["lost_verdict"] == "above"
+
+
+def test_wire_seeds_that_share_their_flips_count_as_one_run():
+    """On the wire every seed of a cell gets the same flips (the engines are seeded by the topology's link seeds):
+    the cell counts one run's trials, the mean of the seeds' counts, and its interval is that of one run's steps;
+    two process-injector seeds are independent and pool."""
+    ber = float(f"{1 / (2 * theory.param_count('tiny')):.3g}")
+    wire = [row(ber=ber, lam=1.0, skipped=k, seed=s, sanitized=n, guard="sanitize", recipe="tiny-sanitize")
+            for s, k, n in ((1, 0, 150), (2, 0, 152))]
+    wire += [row(ber=ber, lam=1.0, skipped=k, seed=s) for s, k in ((1, 63), (2, 64))]
+    cells = {c["recipe"]: c for c in scaling.lambda_cells(wire)}
+    c = cells["tiny"]
+    assert c["shared_flips"] and (c["lost"], c["steps"]) == (64, 100)  # round(63.5) (to even), one run's steps
+    p = -math.expm1(-1.0)
+    assert c["lost_interval"] == scaling.binomial_interval(100, p)
+    s = cells["tiny-sanitize"]
+    assert (s["sanitized"], s["sanitized_steps"]) == (151, 100)
+    process = [dict(r, injector="process") for r in wire]
+    c = {c["recipe"]: c for c in scaling.lambda_cells(process)}["tiny"]
+    assert not c["shared_flips"] and (c["lost"], c["steps"]) == (127, 200)
+    # one wire run alone is its own count
+    (one,) = scaling.lambda_cells(wire[2:3])
+    assert not one["shared_flips"] and (one["lost"], one["steps"]) == (63, 100)
 
 
 def test_report_section_on_synthetic_rows(tmp_path):

@@ -88,7 +88,9 @@ FIELDS: tuple[Field, ...] = (
     _f("scope", "str", "grid coordinate: what the engine corrupts (`payload`, `all`, `tensor`)", error=True),
     _f("checksum", "str", "grid coordinate: `fix` (errored segments delivered) or `keep` (dropped, resent)",
        error=True),
-    _f("seed", "int", "grid coordinate: training and corruption seed", error=True),
+    _f("seed", "int", "grid coordinate: the training seed (model init, data order); with the process "
+       "injector also the corruption seed (mixed into each hop's stream); on the wire the engines' flips come "
+       "from the topology's link seeds, the same for every run seed", error=True),
     _f("ber_at_lambda", "float?", "grid `ber_at_lambda`: the lambda (catastrophic values per step, unprotected wire) "
                                   "the point's BER was computed for; null: a BER of the grid's `ber`", error=True),
     _f("model", "str", "GPT-2 preset (`tiny`, `small`, `mini`, `gpt2-124m`; a recipe's `model` or the file's)",

@@ -1,7 +1,9 @@
 """The size ladder and the chaos floor (experiments/scaling.yaml): pure functions on results.jsonl rows.
 
 - lambda cells: the points of a grid `ber_at_lambda` grouped by model, recipe, mode and lambda. Lost steps are
-  pooled over the seeds (steps are independent trials); the measured fraction has a Clopper-Pearson interval
+  pooled over the seeds (steps are independent trials) where the seeds drew independent flips (the process
+  injector); on the wire every seed gets the same flips (shares_flips), so a cell counts one run's worth of
+  trials, the mean over its seeds; the measured fraction has a Clopper-Pearson interval
   (95 %, as the rest of the report); the verdict asks whether the measured count of lost steps lies inside the
   central 99 % interval of Binomial(steps, the theory's P(step lost)), the prediction's own spread. Sanitized
   values per step: the count against the central 99 % interval of Poisson(steps x the predicted rate);
@@ -79,6 +81,26 @@ def _verdict(k: int, interval: tuple[int, int]) -> str:
     return "agrees" if lo <= k <= hi else "above" if k > hi else "below"
 
 
+def shares_flips(group: list[dict]) -> bool:
+    """Whether the runs of a cell drew the same flips, so that their seeds are not independent trials of the
+    link: on the wire each link direction's stream is seeded by the topology's seeds alone (its `seed`, derived
+    per link and direction), the same for every run seed, so every seed of a cell gets the same flips at the same
+    eligible offsets (measured: equal bits_flipped and flips per field in every wire cell of
+    docs/results/scaling); the process injector mixes the run seed into every hop's stream (docs/injector.md)."""
+    return len(group) > 1 and all(r.get("injector") == "wire" for r in group)
+
+
+def _trials(counts: list[tuple[int, int]], shared: bool) -> tuple[int, int]:
+    """(events, trials) of a cell from its runs' (count, steps): summed over runs when their flips are
+    independent; one run's worth (the mean, rounded) when they share the flips, since a second seed then repeats
+    the same draw of the link (the events differ only where the same flip lands on another value)."""
+    if not counts:
+        return 0, 0
+    if not shared:
+        return sum(a for a, _ in counts), sum(b for _, b in counts)
+    return (round(statistics.fmean(a for a, _ in counts)), round(statistics.fmean(b for _, b in counts)))
+
+
 def lambda_cells(rows: list[dict]) -> list[dict]:
     """One cell per (model, recipe, mode, lambda) of the rows with `ber_at_lambda`, smallest model first."""
     groups: dict[tuple, list[dict]] = {}
@@ -90,7 +112,8 @@ def lambda_cells(rows: list[dict]) -> list[dict]:
             model_key(kv[0][0]), recipe_kind(recipe_settings(kv[1][0])), mode_key(kv[0][2]), kv[0][3])):
         first = group[0]
         lost = [x for r in group if (x := lost_steps(r)) is not None]
-        k, n = sum(a for a, _ in lost), sum(b for _, b in lost)
+        shared = shares_flips(group)
+        k, n = _trials(lost, shared)
         point = {**{f: first.get(f) for f in ("mode", "model", "n_params", "world_size", "batch_size", "seq_len",
                                               "steps", "lr", "grad_clip")},
                  **recipe_settings(first), "ber": ber_of(first)}
@@ -98,6 +121,7 @@ def lambda_cells(rows: list[dict]) -> list[dict]:
         cell = {"model": model, "n_params": first.get("n_params"), "recipe": recipe, "kind": recipe_kind(point),
                 "mode": mode, "lambda_target": lam, "ber": ber_of(first), "wire_lambda": wire_lambda(first),
                 "injector": first.get("injector"), "runs": len(group), "ok": sum(1 for r in group if is_ok(r)),
+                "shared_flips": shared,
                 "lost": k, "steps": n, "prediction": pred,
                 "lost_fraction": k / n if n else None, "lost_ci": clopper_pearson(k, n) if n else None,
                 "predicted_lost": pred.p_step_skipped if pred else None, "lost_interval": None, "lost_verdict": None,
@@ -109,7 +133,7 @@ def lambda_cells(rows: list[dict]) -> list[dict]:
         san = [(int(r["sanitized_values"]), int(r["steps_completed"])) for r in group
                if finite(r.get("sanitized_values")) is not None and finite(r.get("steps_completed"))]
         if san and point.get("guard") == "sanitize":
-            cell["sanitized"], cell["sanitized_steps"] = sum(a for a, _ in san), sum(b for _, b in san)
+            cell["sanitized"], cell["sanitized_steps"] = _trials(san, shared)
             if pred is not None:
                 cell["predicted_sanitized"] = pred.sanitized_per_step
                 cell["sanitized_interval"] = poisson_count_interval(pred.sanitized_per_step * cell["sanitized_steps"])

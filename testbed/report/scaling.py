@@ -44,7 +44,8 @@ def lambda_table(cells: list[dict]) -> list[str]:
                is not None else "—")
         rows.append([c["model"], f"{c['n_params']:,}" if c["n_params"] else "—", c["recipe"], mode_name(c["mode"]),
                      fmt(c["lambda_target"]), ber_text(c["ber"]), c["injector"] or "—", f"{c['ok']}/{c['runs']}",
-                     f"{c['lost']}/{c['steps']}", f"{fmt(c['lost_fraction'])} {_ci(c['lost_ci'])}",
+                     f"{c['lost']}/{c['steps']}" + (" ‡" if c["shared_flips"] else ""),
+                     f"{fmt(c['lost_fraction'])} {_ci(c['lost_ci'])}",
                      fmt(c["predicted_lost"]), _count_interval(c["lost_interval"]), forward,
                      VERDICT_WORDS[c["lost_verdict"]], san])
     return md_table(["model", "parameters", "recipe", "mode", "λ", "BER", "injector", "ok runs", "lost / steps",
@@ -62,8 +63,13 @@ def _disagreement_lines(summary: dict) -> list[str]:
         pp_fwd = [c for c in off if c["mode"] == "pp" and c["lost_verdict"] == "below" and c["kind"] == "default"]
         out.append("- Disagreeing: " + "; ".join(
             f"{c['model']} (recipe {c['recipe']}) {mode_name(c['mode'])} λ {fmt(c['lambda_target'])}: "
-            f"{c['lost']}/{c['steps']} "
-            f"lost against {fmt(c['predicted_lost'])} predicted ({c['lost_verdict']})" for c in off) + ".")
+            f"{c['lost']}/{c['steps']} " + ("(one draw of the link: its seeds share the flips) " if c["shared_flips"]
+                                             else "") +
+            f"lost against {fmt(c['predicted_lost'])} predicted ({c['lost_verdict']}; 99 % interval "
+            f"{_count_interval(c['lost_interval'])})" for c in off) + ".")
+        chance = (1 - scaling.PREDICTION_LEVEL) * summary["judged"]
+        out.append(f"- By chance alone, {fmt(chance)} of the {summary['judged']} judged cells are expected outside "
+                   f"their {100 * scaling.PREDICTION_LEVEL:g} % interval (each count taken alone).")
         if pp_fwd:
             out.append("- PP cells below the prediction: the prediction counts a catastrophic activation going "
                        "forward as a lost step, and the next stage's pre-LayerNorm can contain it (docs/theory.md, "
@@ -135,7 +141,10 @@ def scaling_section(rows: list[dict], out_dir: Path) -> list[str]:
         md += ["Each size, mode and recipe ran at the BERs where the theory expects λ catastrophic values per step "
                "on the unprotected fp32 wire (grid `ber_at_lambda`; theory.ber_at_lambda from that size's values "
                "on the wire: DDP 2(N-1) n gradient values, PP (S-1) B T d activations and as many gradients). "
-               "Lost steps are pooled over seeds (Clopper-Pearson 95 % interval); the verdict asks whether the "
+               "Lost steps are pooled over seeds (Clopper-Pearson 95 % interval), except where the seeds drew the "
+               "same flips (‡: the wire, whose engines are seeded by the topology's link seeds, not the run seed; "
+               "the seeds' counts differ only where a flip lands on another value): there a cell counts one run's "
+               "worth of trials, the mean of its seeds' counts. The verdict asks whether the "
                "measured count lies inside the central 99 % interval of Binomial(steps, the recipe's predicted "
                "P(step lost)) (protect and sanitize: 0, so any lost step is **above**). Sanitized values per "
                "step: the count against the 99 % interval of Poisson(steps x the predicted rate).", "", plot_line,
