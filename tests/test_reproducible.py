@@ -108,3 +108,25 @@ def test_perturb_controls_at_ber_0_are_reproducible_and_minimal(pair, tmp_path, 
     assert [h for _, h, _ in runs["lsb"][0][0]] == [h for _, h, _ in clean[0]]  # absorbed (see the docstring)
     order = runs["order"][0]
     assert order[0][0][1] != clean[0][0][1]  # another summation order: other rounding from the first update
+
+
+def engine_flips(s: dict) -> list[tuple]:
+    """Per engine: bits flipped and the flips per field (sign, exponent, mantissa)."""
+    return [tuple(e.get(k) for k in ("bits_flipped", "flips_sign", "flips_exponent", "flips_mantissa"))
+            for e in s["engines"]]
+
+
+def test_link_seed_run_makes_each_seed_its_own_draw_of_the_link(load_topology, tmp_path):
+    """The default, link_seed topology: two run seeds get the same flips (per engine and field), since the
+    engines are seeded by the topology's link seeds alone (docs/experiments.md, "What a seed varies");
+    link_seed run mixes the run seed into every direction's seed, so another seed draws other flips."""
+    topo = load_topology("pair.yaml")
+    runs = {}
+    for k, seed, link_seed in (("a", 1, "topology"), ("b", 2, "topology"), ("c", 2, "run")):
+        s = train(topo, cfg("ddp", seed, steps=4, guard="sanitize", link_seed=link_seed), tmp_path / k, ber=BER,
+                  scope="tensor", log=quiet)
+        assert s["status"] == "ok", s
+        runs[k] = engine_flips(s)
+        assert sum(f[0] for f in runs[k]) > 0, s["engines"]
+    assert runs["a"] == runs["b"]
+    assert runs["c"] != runs["b"]

@@ -165,6 +165,9 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
             raise ValueError("injector process runs its workers on this machine: --machines does not apply")
         return train_process(topology, cfg, out, overrides, log=log, warm=warm)
     if isinstance(topology, str):  # a topology that is up: the overrides are set live on every link
+        if cfg.link_seed == "run":  # its links keep the seeds they have: mixing live would outlast the run
+            raise ValueError(f"link_seed run: topology {topology!r} is up and keeps its links' seeds; give the "
+                             "topology file (brought up for the run), or set the seeds with `testbed link set`")
         tb = testbeds.attach(topology)
         try:
             settings = {k: v for k, v in overrides.items() if v is not None}
@@ -175,6 +178,8 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
         finally:
             tb.close()
     topo = topology.with_overrides(name=name, runtime=runtime, **overrides)
+    if cfg.link_seed == "run":
+        topo = topo.with_run_seed(cfg.seed)
     if warm is not None and machines is None:
         return warm.train(topo, cfg, out, runtime=runtime, log=log)
     # up for the run (across the machines of the inventory `machines`, if given), then down

@@ -99,6 +99,18 @@ class Topology:
                         d.pop(k, None)
         return Topology.from_dict(raw, file=self.file)
 
+    def with_run_seed(self, run_seed: int) -> "Topology":
+        """A copy whose every link direction's corruption seed has `run_seed` mixed in (a training run's
+        `link_seed: run`): the file's `seed` and any link's or direction's own `seed:` alike, so that another run
+        seed draws other flips on every link, and the same run seed the same ones."""
+        raw = _deepcopy(self.raw)
+        raw["seed"] = mix_run_seed(self.seed, run_seed)
+        for link in raw.get("topology", {}).get("links", []) or []:
+            for where in (link, *(link.get("directions") or {}).values()):
+                if isinstance(where, dict) and where.get("seed") is not None:
+                    where["seed"] = mix_run_seed(int(where["seed"]), run_seed)
+        return Topology.from_dict(raw, file=self.file)
+
     # -- loading -------------------------------------------------------------------------------------------
 
     @classmethod
@@ -254,6 +266,11 @@ def _resolve(spec: TopologyFile, raw: dict, file: str | None, problems: list) ->
         control_ports=tuple(spec.control_ports), mgmt_subnet=spec.mgmt.subnet, plan=plan, raw=_deepcopy(raw),
         description=spec.description,
     )
+
+
+def mix_run_seed(seed: int, run_seed: int) -> int:
+    """A link seed with a run seed mixed in (Topology.with_run_seed): stable across processes, below 2**61."""
+    return _derive_seed(seed, f"run-seed/{run_seed}")
 
 
 def _derive_seed(seed: int, link_name: str) -> int:

@@ -263,6 +263,12 @@ class TrainSettings:
                                         "directions (`link set`, as a repair swaps the optics) and log it in "
                                         "RUN_DIR/monitor-actions.jsonl; `testbed locate` prints the step time "
                                         "before and after", choices=("none", "clean"), worker=False)
+    link_seed: str = setting("topology", "the wire's corruption seeds: topology (each link direction's seed from the "
+                                         "topology file, the same for every run seed: seeds vary the training, "
+                                         "not the flips) or run (the run seed mixed into every link direction's "
+                                         "seed: each seed also an independent draw of the link, as the process "
+                                         "injector always does); docs/experiments.md, \"What a seed varies\"",
+                             choices=("topology", "run"), worker=False)
     hosts: int | None = setting(None, "use only the first N hosts of the topology (default: all)", ge=2,
                                 worker=False)
     collectives: list[str] | None = setting(None, "scope tensor: corrupt only these gloo collectives, "
