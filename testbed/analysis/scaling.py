@@ -143,7 +143,10 @@ def lambda_cells(rows: list[dict]) -> list[dict]:
 
 
 def recipe_kind(settings: dict) -> str:
-    """default / protect / sanitize / other, from the recipe's settings (not its name)."""
+    """default / protect / sanitize / other, from the recipe's settings (not its name); a recipe that clips
+    otherwise than by norm (clip value or none) is "other": its sizes fit as a family of their own, by name."""
+    if settings.get("clip") not in (None, "norm"):
+        return "other"
     if settings.get("protect"):
         return "protect"
     if settings.get("guard") == "sanitize":

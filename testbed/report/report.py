@@ -913,7 +913,8 @@ def summary_section(rows: list[dict], th: dict, tolerance: float, source: str) -
     n_params = first.get("n_params")
     setup = (f"{first.get('model', '?')} GPT-2" + (f" ({n_params:,} parameters)" if isinstance(n_params, int) else "")
              + f", {first.get('steps', '?')} steps, {len(seeds)} seed(s)")
-    sizes = {r["model"]: r for r in rows if r.get("model")}
+    sizes = dict(sorted({r["model"]: r for r in rows if r.get("model")}.items(),
+                        key=lambda kv: kv[1].get("n_params") or 0))  # smallest first, as the table
     if len(sizes) > 1:  # a size ladder: every model, its parameters, steps and seeds
         setup = "; ".join(f"{m} GPT-2" + (f" ({r['n_params']:,} parameters)" if isinstance(r.get("n_params"), int)
                                           else "") + f", {r.get('steps', '?')} steps, "
