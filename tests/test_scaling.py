@@ -279,3 +279,25 @@ train: {{seq_len: 32, eval_every: 3, timeout: 30}}
     assert all(x["steps"] == 4 and x["n_params"] == PRESET_PARAMS["small"] for x in small)
     assert {x["point"]: x["finished_at"] for x in rows2 if x["model"] == "tiny"} == {
         p: x["finished_at"] for p, x in rows.items()}  # the first part's rows were kept, not re-run
+
+
+def test_pp_cells_below_the_prediction_are_read_against_the_backward_only_bound():
+    """A PP cell that loses about as many steps as its backward catastrophic values alone predict lies inside the
+    bracket [backward-only, full prediction], and the share of forward values contained reads near 1."""
+    from testbed.report.scaling import _disagreement_lines
+
+    rows = [row(mode="pp", ber=1.0, lam=1.0, seed=seed, injector="process", steps=100) for seed in (1, 2)]
+    (probe,) = scaling.lambda_cells(rows[:1])
+    for r in rows:  # lambda is linear in the BER: the BER of lambda 1 for this row's shape
+        r["ber"] = 1.0 / probe["prediction"].lost
+    (cell,) = scaling.lambda_cells(rows)
+    pred = cell["prediction"]
+    back = pred.lost - pred.lost_forward
+    for r in rows:
+        r["skipped_steps"] = round(100 * -math.expm1(-back))
+    (cell,) = scaling.lambda_cells(rows)
+    assert cell["lost_verdict"] == "below"
+    text = " ".join(_disagreement_lines(scaling.lambda_summary([cell])))
+    assert "1 of these 1 cells lie between the backward-only prediction" in text
+    share = float(text.split("less the backward part): ")[1].split(" to ")[0])
+    assert share > 0.8

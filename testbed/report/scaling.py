@@ -53,6 +53,29 @@ def lambda_table(cells: list[dict]) -> list[str]:
                    "verdict", "sanitized per step: measured / predicted"], rows)
 
 
+def _backward_bracket(cells: list[dict]) -> str:
+    """Whether PP cells below the prediction lie between its two ends: every catastrophic value lost (the
+    prediction, 1 - exp(-λ)) and only the backward ones (1 - exp(-λ (1 - forward share))): each count against
+    the lower end of the 99 % interval of the second and the upper end of the first's."""
+    inside, contained = [], []
+    for c in cells:
+        pred = c["prediction"]
+        lam_back = pred.lost - pred.lost_forward
+        lo, _ = scaling.binomial_interval(c["steps"], -math.expm1(-lam_back))
+        inside.append(lo <= c["lost"] <= c["lost_interval"][1])
+        if pred.lost_forward and c["lost"] < c["steps"]:  # the measured λ, -ln(1 - fraction), split as predicted
+            lam_measured = -math.log1p(-c["lost"] / c["steps"])
+            contained.append(min(1.0, max(0.0, 1 - (lam_measured - lam_back) / pred.lost_forward)))
+    text = (f"{sum(inside)} of these {len(cells)} cells lie between the backward-only prediction, "
+            "1 - exp(-λ (1 - forward share)) (every forward catastrophic value contained), and the full one (the "
+            "count at least the lower end of the first's 99 % interval)"
+            + ("" if all(inside) else "; the others are below even the backward-only prediction"))
+    if contained:
+        text += (f". Read as the share of forward catastrophic values contained (measured λ = -ln(1 - lost "
+                 f"fraction), less the backward part): {fmt(min(contained))} to {fmt(max(contained))}")
+    return text + "."
+
+
 def _disagreement_lines(summary: dict) -> list[str]:
     if not summary["judged"]:
         return ["- No cell has both lost-step counts and a prediction."]
@@ -73,7 +96,8 @@ def _disagreement_lines(summary: dict) -> list[str]:
         if pp_fwd:
             out.append("- PP cells below the prediction: the prediction counts a catastrophic activation going "
                        "forward as a lost step, and the next stage's pre-LayerNorm can contain it (docs/theory.md, "
-                       "section 4); the column \"forward share\" is the part of λ that arrives forward.")
+                       "section 4); the column \"forward share\" is the part of λ that arrives forward. "
+                       + _backward_bracket(pp_fwd))
     return out
 
 
