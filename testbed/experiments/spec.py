@@ -105,8 +105,8 @@ ModelName = Literal[tuple(PRESETS)]
 
 # Training settings added after results had been published, with their defaults: a point that leaves them so
 # keeps its earlier fingerprint (finished points stay reusable); any other value is part of the hash.
-LATER_DEFAULTS = {"link_seed": "topology", "injector": "wire", "device": "cpu", "monitor": False, "on_detection": "none", "perturb": "none",
-                  "resync_every": 0}
+LATER_DEFAULTS = {"injector": "wire", "device": "cpu", "monitor": False, "on_detection": "none", "perturb": "none",
+                  "resync_every": 0, "link_seed": "topology"}
 
 
 class LatencySpec(_Strict):

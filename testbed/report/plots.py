@@ -549,8 +549,8 @@ def plot_latency(latency: dict | None, path) -> Path | None:
 def plot_lambda_collapse(rows: list[dict], path) -> Path | None:
     """(Drawn by the size-ladder section, testbed/report/scaling.py, only for experiments that have one.) The size
     ladder (testbed/analysis/scaling.py): measured lost-step fraction (pooled over the seeds that drew their own
-    flips, Clopper-Pearson 95 % interval) against the theory's lambda of the unprotected wire at the point's BER, every model on the one
-    curve 1 - exp(-lambda); a color per model, DDP filled and PP open markers; the protect and sanitize recipes
+    flips, Clopper-Pearson 95 % interval) against the theory's lambda of the unprotected wire at the point's BER,
+    every model on the one curve 1 - exp(-lambda); a color per model, DDP filled and PP open markers; the protect and sanitize recipes
     (predicted: no lost step) as small gray markers at the same lambda."""
     from testbed.analysis import scaling
 

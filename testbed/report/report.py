@@ -893,7 +893,8 @@ def _sensitivity_sentence(th: dict, tolerance: float) -> str:
     if not moved:
         return (f"The intervals do not depend on the tolerance: each is the same from {_pct(lo)} to {_pct(hi)} of "
                 "the clean eval loss.")
-    still = f"{len(ts) - len(moved)} of {len(ts)} intervals stay put" if len(moved) < len(ts) else "No interval stays put"
+    still = (f"{len(ts) - len(moved)} of {len(ts)} intervals stay put" if len(moved) < len(ts)
+             else "No interval stays put")
     if len(moved) > SENSITIVITY_NAMED:  # a one-screen summary: the table under "Thresholds" has them all
         return (f"{still} from {_pct(lo)} to {_pct(hi)} tolerance; the {len(moved)} that move are in the "
                 "sensitivity table under \"Thresholds\".")

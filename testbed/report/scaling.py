@@ -337,11 +337,16 @@ def _fit_sentence(f: dict) -> str:
 
 
 
+def _complete(th: dict) -> dict:
+    """The thresholds of complete recipes and modes: a provisional one (an incomplete grid's) is not in the fit."""
+    return {k: t for k, t in th.items() if not t.get("incomplete")}
+
+
 def ladder_headline(th: dict) -> str | None:
     """The summary's first sentence for a size ladder: per recipe kind and mode, the interval at each size,
     smallest first, and the fitted 124M value with its every-line range beside the paper's number; None when no
     recipe has thresholds at two sizes (provisional ones, of an incomplete grid, are left out as in the fit)."""
-    fits = sizefit.size_fits({k: t for k, t in th.items() if not t.get("incomplete")})
+    fits = sizefit.size_fits(_complete(th))
     if not fits:
         return None
     parts = []
@@ -360,8 +365,8 @@ def size_threshold_section(th: dict, tolerance: float, out_dir: Path, rows: list
     """The section's markdown lines (and its plot, into out_dir); [] unless a recipe has thresholds at two sizes
     or more (analysis.thresholds output `th`, at the registered `tolerance`). With the `rows` (and the
     experiment's `train:`), a ladder whose sizes ran different seeds is refitted on the seeds they share."""
-    left_out = {k for k, t in th.items() if t.get("incomplete")}  # provisional thresholds: not in the fit
-    th = {k: t for k, t in th.items() if k not in left_out}
+    left_out = set(th) - set(_complete(th))
+    th = _complete(th)
     fits = sizefit.size_fits(th)
     if not fits:
         return []
