@@ -51,7 +51,7 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
     point = f"{mode}-ber{ber:g}-{scope}-{checksum}{tag}-s{seed}"
     recipe_fields = dict.fromkeys(("lost_step_fraction", "sanitized_values", "frozen_values", "initial_eval_loss",
                                    "made_progress", "flips_sign", "flips_exponent", "flips_mantissa", "bits_exposed",
-                                   "queue_dropped", "user_dropped", "tokens_per_step", "optimizer", "clip", "guard", "sanitize_threshold", "resync_every",
+                                   "queue_dropped", "user_dropped", "tokens_per_step", "optimizer", "clip", "guard", "sanitize_threshold", "resync_every", "link_seed",
                                    "wire_dtype", "wire_bytes_per_step", "element", "protect", "protected_ber",
                                    "ber_at_lambda", "perturb"))
     return results.new_row(**{

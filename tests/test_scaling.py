@@ -199,6 +199,10 @@ def test_wire_seeds_that_share_their_flips_count_as_one_run():
     process = [dict(r, injector="process") for r in wire]
     c = {c["recipe"]: c for c in scaling.lambda_cells(process)}["tiny"]
     assert not c["shared_flips"] and (c["lost"], c["steps"]) == (127, 200)
+    # the wire with link_seed run: each seed its own draw of the link, pooled as the process injector's are
+    drawn = [dict(r, link_seed="run") for r in wire]
+    c = {c["recipe"]: c for c in scaling.lambda_cells(drawn)}["tiny"]
+    assert not c["shared_flips"] and (c["lost"], c["steps"]) == (127, 200)
     # one wire run alone is its own count
     (one,) = scaling.lambda_cells(wire[2:3])
     assert not one["shared_flips"] and (one["lost"], one["steps"]) == (63, 100)

@@ -157,6 +157,10 @@ FIELDS: tuple[Field, ...] = (
     _f("sanitize_threshold", "float?", "guard sanitize: received values above it are zeroed"),
     _f("resync_every", "int?", "DDP control: rank 0's parameters and optimizer state copied to every replica "
                                "every K steps (0: never)"),
+    _f("link_seed", "str?", "wire points: `topology` (the engines are seeded by the topology's link seeds, so every "
+                            "run seed of a point draws the same flips) or `run` (the run seed mixed into every link "
+                            "direction's seed: each seed its own draw of the link); null: no engines (the process "
+                            "injector always mixes the run seed in)"),
     _f("wire_dtype", "str?", "dtype on the data link: `fp32`, `bf16`, `fp16`"),
     _f("wire_bytes_per_step", "float?", "bytes a rank hands to the data link per step (median)"),
     _f("element", "str?", "engine: the value type it corrupts (scope tensor); null: fp32"),

@@ -86,8 +86,10 @@ def shares_flips(group: list[dict]) -> bool:
     link: on the wire each link direction's stream is seeded by the topology's seeds alone (its `seed`, derived
     per link and direction), the same for every run seed, so every seed of a cell gets the same flips at the same
     eligible offsets (measured: equal bits_flipped and flips per field in every wire cell of
-    docs/results/scaling); the process injector mixes the run seed into every hop's stream (docs/injector.md)."""
-    return len(group) > 1 and all(r.get("injector") == "wire" for r in group)
+    docs/results/scaling); the process injector mixes the run seed into every hop's stream (docs/injector.md), and
+    so does the wire with `link_seed: run` (rows' `link_seed`; rows from before that field are `topology`)."""
+    return len(group) > 1 and all(r.get("injector") == "wire" and (r.get("link_seed") or "topology") != "run"
+                                  for r in group)
 
 
 def _trials(counts: list[tuple[int, int]], shared: bool) -> tuple[int, int]:

@@ -131,6 +131,7 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         microbatches=cfg_field(summary, "microbatches"), tokens_per_step=exp.tokens_per_step(point),
         optimizer=cfg_field(summary, "optimizer"), clip=cfg_field(summary, "clip"), guard=cfg_field(summary, "guard"),
         sanitize_threshold=cfg_field(summary, "sanitize_threshold"), resync_every=cfg_field(summary, "resync_every"),
+        link_seed=cfg_field(summary, "link_seed") if cfg_field(summary, "injector") == "wire" else None,
         wire_dtype=cfg_field(summary, "wire_dtype"),
         wire_bytes_per_step=_finite(summary.get("wire_bytes_per_step")),
         element=link.get("element"), protect=",".join(map(str, link["protect"])) if link.get("protect") else None,
