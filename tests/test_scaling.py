@@ -208,6 +208,17 @@ def test_wire_seeds_that_share_their_flips_count_as_one_run():
     assert not one["shared_flips"] and (one["lost"], one["steps"]) == (63, 100)
 
 
+def test_the_ladder_section_explains_the_shared_flips_mark_only_where_a_cell_has_it(tmp_path):
+    from testbed.report.scaling import scaling_section
+
+    ber = float(f"{1 / (2 * theory.param_count('tiny')):.3g}")
+    wire = [row(ber=ber, lam=1.0, skipped=k, seed=s) for s, k in ((1, 63), (2, 64))]
+    shared = "\n".join(scaling_section(wire, tmp_path))
+    assert "64/100 ‡" in shared and "‡: wire points at `link_seed: topology`" in shared
+    drawn = "\n".join(scaling_section([dict(r, link_seed="run") for r in wire], tmp_path))
+    assert "127/200" in drawn and "‡" not in drawn and "each seed drew its own flips" in drawn
+
+
 def test_report_section_on_synthetic_rows(tmp_path):
     from testbed.report.report import write_report
 
