@@ -163,14 +163,13 @@ def scaling_section(rows: list[dict], out_dir: Path) -> list[str]:
     md = ["## Size ladder: lost steps against λ for every model size", ""]
     if cells:
         # Say how seeds were pooled in the terms of this run: the ‡ convention only where a cell uses it.
-        pooling = ("Lost steps are pooled over seeds (Clopper-Pearson 95 % interval), except where the seeds drew "
-                   "the same flips (‡: wire points at `link_seed: topology`, whose engines are seeded by the "
-                   "topology's link seeds, not the run seed; the seeds' counts differ only where a flip lands on "
-                   "another value): there a cell counts one run's worth of trials, the mean of its seeds' counts."
-                   if any(c["shared_flips"] for c in cells) else
-                   "Lost steps are pooled over seeds (Clopper-Pearson 95 % interval): each seed drew its own flips "
-                   "(the process injector mixes the run seed in, and so does the wire at `link_seed: run`; "
-                   "docs/experiments.md, \"What a seed varies\").")
+        pooling = "Lost steps are pooled over seeds (Clopper-Pearson 95 % interval)" + (
+            ", except where the seeds drew the same flips (‡: wire points at `link_seed: topology`, whose engines "
+            "are seeded by the topology's link seeds, not the run seed; the seeds' counts differ only where a flip "
+            "lands on another value): there a cell counts one run's worth of trials, the mean of its seeds' counts."
+            if any(c["shared_flips"] for c in cells) else
+            ": each seed drew its own flips (the process injector mixes the run seed in, and so does the wire at "
+            "`link_seed: run`; docs/experiments.md, \"What a seed varies\").")
         md += ["Each size, mode and recipe ran at the BERs where the theory expects λ catastrophic values per step "
                "on the unprotected fp32 wire (grid `ber_at_lambda`; theory.ber_at_lambda from that size's values "
                "on the wire: DDP 2(N-1) n gradient values, PP (S-1) B T d activations and as many gradients). "
