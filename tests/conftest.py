@@ -72,6 +72,21 @@ def separate_controller(mp, state_dir, tag: str) -> str:
     return prefix
 
 
+# -- what tests need prepared ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def data_cache() -> Path:
+    """The data cache (the user's default, or $TESTBED_CACHE) with tiny GPT-2's corpus, tokenizer and tokens in
+    it, prepared here if missing (the corpus is fetched once with pip, as `testbed train` does): a test that reads
+    the cache itself never depends on an earlier test or run having made it."""
+    from testbed.train.data import cache_dir, prepare
+    from testbed.train.model import PRESETS
+
+    prepare(PRESETS["tiny"].vocab_size)
+    return cache_dir()
+
+
 # -- runtimes --------------------------------------------------------------------------------------------------
 
 

@@ -157,15 +157,14 @@ def test_cancelled_job_is_reported_and_retried(cluster, tmp_path):
 
 
 @pytest.fixture
-def unprivileged():
+def unprivileged(data_cache):
     """A run directory and a cache that `nobody` owns (the cache a copy of this user's: the corpus and tokenizer
     are prepared offline), and, where the venv's interpreter lies under a directory nobody may not enter (here:
     pyenv under /root), a traverse-only ACL entry for nobody on it, removed afterwards."""
     # not under tmp_path: pytest makes its base directory 0700 again whenever a pytest session starts
     work = Path(tempfile.mkdtemp(prefix="tbslurm-nobody-"))
     work.chmod(0o755)
-    shutil.copytree(Path(os.environ.get("TESTBED_CACHE", "~/.cache/testbed")).expanduser(), work / "cache",
-                    ignore=shutil.ignore_patterns("locks", "vm", "downloads"))
+    shutil.copytree(data_cache, work / "cache", ignore=shutil.ignore_patterns("locks", "vm", "downloads", "torchinductor"))
     (work / "out").mkdir()
     subprocess.run(["chown", "-R", "nobody:nogroup", str(work)], check=True)
     blocked = [p for p in Path(os.path.realpath(sys.executable)).parents if p.stat().st_mode & 0o001 == 0]

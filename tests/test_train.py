@@ -8,7 +8,10 @@ anything still alive afterwards, even if the test failed half way).
 import json
 import math
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -68,8 +71,8 @@ def spawner():
 
 
 @pytest.fixture(scope="session")
-def tiny_data():
-    return prepare(PRESETS["tiny"][4])  # downloads/tokenizes once into TESTBED_CACHE
+def tiny_data(data_cache):
+    return prepare(PRESETS["tiny"].vocab_size)  # prepared by data_cache (conftest): loaded here
 
 
 def run(spawner, run_dir, argv, world_size=2, timeout_s=120, stall_timeout_s=30, **kw):
@@ -427,6 +430,38 @@ def test_prepared_data_is_reused_while_its_files_are_the_same(tmp_path, monkeypa
     assert changed is not fresh and changed.corpus_sha256 != fresh.corpus_sha256
     assert prepare(300, str(user_file)) is changed
     assert data_mod._PREPARED  # (the memo this test is about)
+
+
+def test_importing_the_controller_changes_no_environment_variable():
+    """Importing testbed (the CLI, the runner, the warm pool, the worker module) sets nothing in os.environ: a
+    variable set on import is inherited by every child, other users' and Slurm jobs' included (sbatch exports the
+    environment). The cause of a fresh machine's failure: the worker module set TORCHINDUCTOR_CACHE_DIR to root's
+    cache on import, and a controller run as nobody under a /root/.cache of mode 0700 could not make it."""
+    code = ("import json, os; before = dict(os.environ)\n"
+            "import testbed.cli, testbed.experiments.runner, testbed.experiments.warm, testbed.experiments.jobs\n"
+            "import testbed.train.worker, testbed.train.launch\n"
+            "after = dict(os.environ)\n"
+            "print(json.dumps({k: after.get(k) for k in set(before) | set(after) if before.get(k) != after.get(k)}))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_a_worker_keeps_torch_caches_in_its_own_cache_whatever_it_inherits(spawner, tmp_path, monkeypatch,
+                                                                         data_cache):
+    """A TORCHINDUCTOR_CACHE_DIR inherited from a parent (torch sets it in every process that imports
+    torch._dynamo; here a path no one can make, under a regular file) is not the worker's: the worker trains and
+    torch's cache is made in the worker's own data cache ($TESTBED_CACHE)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(data_cache, cache, ignore=shutil.ignore_patterns("locks", "vm", "downloads", "torchinductor"))
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a-file" / "inductor"))
+    monkeypatch.setenv("TESTBED_CACHE", str(cache))
+    s = run(spawner, tmp_path / "run", ["--mode", "ddp", "--steps", "1", *TINY])
+    assert s["status"] == "ok", s["reason"]
+    assert (cache / "torchinductor").is_dir()
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -191,7 +191,7 @@ def test_a_service_on_its_way_out_gets_no_further_point(tmp_path):
 
 def answer_path_of(pool, rank):
     """The answer file of the last request the pool wrote to rank's service."""
-    from testbed.train.serve import answer_path
+    from testbed.train.common import answer_path
 
     _, sid, k = pool.services[rank]
     return answer_path(pool.inbox, sid, k - 1)

@@ -23,7 +23,7 @@ from testbed import testbeds
 from testbed.base import quiet
 from testbed.fileio import write_json_atomic
 from testbed.train.launch import WORKER_MODULE, local_spawn
-from testbed.train.serve import answer_path, request_path
+from testbed.train.common import answer_path, request_path
 from testbed.experiments.training import PASSED_ENV, train_on, worker_hosts
 
 SERVE_MODULE = "testbed.train.serve"

@@ -1,4 +1,4 @@
-"""Things the worker and the launcher agree on: exit codes, run-dir file names, atomic writes."""
+"""Things the worker and the launcher agree on: exit codes, run-dir and inbox file names, atomic writes."""
 
 from pathlib import Path
 
@@ -37,6 +37,16 @@ def log_path(run_dir, rank):
 
 def final_params_path(run_dir, rank):
     return Path(run_dir) / f"final-rank{rank}.pt"
+
+
+def request_path(inbox, sid, k):
+    """A warm worker service's K-th request from the controller (testbed/train/serve.py, experiments/warm.py)."""
+    return Path(inbox) / f"{sid}-{k}.json"
+
+
+def answer_path(inbox, sid, k):
+    """The service's answer to request K."""
+    return Path(inbox) / f"{sid}-{k}.done"
 
 
 def write_json_atomic(path, obj, fsync=True):

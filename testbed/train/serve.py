@@ -28,20 +28,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from testbed.train import common, worker  # first: worker sets where torch._dynamo's import makes its cache
+from testbed.train import common, worker
+from testbed.train.common import answer_path, request_path
+
+worker.keep_torch_caches()  # this module is a worker process's entry: before torch._dynamo's import makes its cache
 
 import torch._dynamo  # noqa: E402,F401 (what DDP imports: paid once)
 import torch.nn.parallel  # noqa: E402,F401
 
 POLL_S = 0.02
-
-
-def request_path(inbox, sid, k):
-    return Path(inbox) / f"{sid}-{k}.json"
-
-
-def answer_path(inbox, sid, k):
-    return Path(inbox) / f"{sid}-{k}.done"
 
 
 @contextmanager

@@ -405,14 +405,17 @@ def parse(argv=None):
 
 def keep_torch_caches() -> None:
     """torch's own caches (the inductor's, which torch makes in /tmp/torchinductor_USER on first use even
-    without torch.compile) in the testbed's cache: a worker writes nothing outside its run directory and the
-    cache (docs/cluster.md, "Root, and points that need none")."""
+    without torch.compile) in this worker's cache: a worker writes nothing outside its run directory and the
+    cache (docs/cluster.md, "Root, and points that need none").
+
+    Called by a worker process's entry (main, testbed.train.serve) before torch._dynamo is imported, never at
+    import: the variable is inherited by every child, so set on import it would send the processes of another
+    user or machine (`runuser`, a Slurm job: sbatch exports the environment) to this user's cache. Set, not
+    defaulted: a value inherited from a parent is that parent's (torch sets it in every process that imports
+    torch._dynamo), not this worker's; move the cache with $TESTBED_CACHE."""
     from testbed.train.data import cache_dir
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
-
-
-keep_torch_caches()  # before anything imports torch._dynamo (DDP does; testbed.train.serve at its import)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torchinductor")
 
 
 def set_threads(args):
