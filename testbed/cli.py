@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -74,8 +75,15 @@ def cmd_down(args) -> int:
         return EXIT_FAIL if done["errors"] else 0
     if not args.names:
         raise CliError("name a topology (testbed down NAME) or use --all", EXIT_INPUT)
+    from testbed.topology.schema import TOPOLOGY_NAME_RE
+
     rc = 0
     for name in args.names:
+        if not TOPOLOGY_NAME_RE.match(name):  # no topology has it; '' would match every topology's leftovers
+            print(f"no topology named {name!r} is up (names are 1-24 characters of a-z, 0-9, '_' or '-')",
+                  file=sys.stderr)
+            rc = EXIT_INPUT
+            continue
         result = testbeds.down(name)
         if not result["found"]:
             print(f"no topology named {name!r} is up", file=sys.stderr)
@@ -282,11 +290,45 @@ def _error_model_arg(args) -> dict:
 # -- parser ----------------------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but `--opt=--` gives the option the value '--' (refused or taken like any other value): Python
+    before 3.12 drops it, and the option reached the command as an empty list."""
+
+    def _get_values(self, action, arg_strings):
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
+
+def number(kind: type, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None):
+    """An argparse type: a finite int or float within the bounds given, else an error naming the option."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        for bound, word, holds in ((ge, ">=", lambda b: value >= b), (gt, ">", lambda b: value > b),
+                                   (le, "<=", lambda b: value <= b), (lt, "<", lambda b: value < b)):
+            if bound is not None and not holds(bound):
+                raise argparse.ArgumentTypeError(f"must be {word} {bound:g}, got {text!r}" if isinstance(bound, float)
+                                                 else f"must be {word} {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     from testbed.engine.counters import ENGINE_PROCS
     from testbed.runtime.base import runtime_names
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="testbed",
         description="Real-network emulation testbed: hosts in namespaces or containers joined by veth links that "
                     "corrupt bits at a set bit error rate, and GPT-2 training across them. Needs root.",
@@ -302,13 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runtime", choices=runtime_names(), help="where hosts live (default: the file's, else netns)")
     s.add_argument("--capture", metavar="DIR", help="write corrupted packets, before and after corruption, to pcap "
                    "files under DIR")
-    s.add_argument("--capture-limit", type=float, default=10.0, metavar="MB",
+    s.add_argument("--capture-limit", type=number(float, gt=0), default=10.0, metavar="MB",
                    help="size bound per pcap file in MB (default 10)")
     s.add_argument("--out", metavar="DIR", help="where `down` saves final engine counters "
                    "(default /var/lib/testbed/history/NAME)")
     s.add_argument("--machines", metavar="FILE", help="inventory of machines (YAML, or `vagrant ssh-config` "
                    "output): place the hosts on them over SSH (docs/machines.md)")
-    s.add_argument("--vxlan-port", type=int, default=4789, metavar="PORT",
+    s.add_argument("--vxlan-port", type=number(int, ge=1, le=65535), default=4789, metavar="PORT",
                    help="UDP port of the VXLAN tunnels between machines (default 4789)")
     s.add_argument("--engine-procs", choices=ENGINE_PROCS, default=None,
                    help="NFQUEUE engine processes: one per host serving all of its corrupted directions, or one "
@@ -364,10 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--ber", help="bit error rate in [0, 0.5]")
     ls.add_argument("--scope", choices=SCOPES)
     ls.add_argument("--checksum", choices=CHECKSUM_MODES)
-    ls.add_argument("--seed", type=int)
+    ls.add_argument("--seed", type=number(int, ge=0, lt=2**63), help="seed of the corruption (0 to 2**63 - 1)")
     ls.add_argument("--error-model", choices=ERROR_MODELS)
-    ls.add_argument("--burst-length", type=float, help="gilbert_elliott mean burst length in bits")
-    ls.add_argument("--bad-ber", type=float, default=0.5, help="gilbert_elliott BER in the bad state (default 0.5)")
+    ls.add_argument("--burst-length", type=number(float, ge=1), help="gilbert_elliott mean burst length in bits")
+    ls.add_argument("--bad-ber", type=number(float, ge=0, le=1), default=0.5,
+                    help="gilbert_elliott BER in the bad state (default 0.5)")
     ls.add_argument("--element", choices=ELEMENT_TYPES,
                     help="scope tensor: the value type whose bits --protect names")
     ls.add_argument("--protect", metavar="FIELDS", help="scope tensor: bits the link protects, comma-separated "
@@ -446,22 +489,25 @@ def _run(args) -> int:
     from testbed.runtime.base import RuntimeUnavailable
     from testbed.topology.topo import TopologyError
 
+    def say(e: BaseException, text: str) -> None:  # the message, then what was added to it on the way up
+        print("\n".join([text, *getattr(e, "__notes__", ())]), file=sys.stderr)
+
     try:
         return args.fn(args) or 0
     except TopologyError as e:
-        print(str(e), file=sys.stderr)
+        say(e, str(e))
         return EXIT_INPUT
     except (CapabilityMissing, RuntimeUnavailable) as e:
-        print(f"testbed: {e}", file=sys.stderr)
+        say(e, f"testbed: {e}")
         return EXIT_CAPABILITY
     except CliError as e:
-        print(f"testbed: {e}", file=sys.stderr)
+        say(e, f"testbed: {e}")
         return e.code
     except ValueError as e:  # a setting the engine refuses (e.g. `link set` with impossible parameters)
-        print(f"testbed: {e}", file=sys.stderr)
+        say(e, f"testbed: {e}")
         return EXIT_INPUT
     except (FileExistsError, PermissionError, RuntimeError, OSError, NetlinkError) as e:
-        print(f"testbed: {type(e).__name__ + ': ' if isinstance(e, NetlinkError) else ''}{e}", file=sys.stderr)
+        say(e, f"testbed: {type(e).__name__ + ': ' if isinstance(e, NetlinkError) else ''}{e}")
         return EXIT_FAIL
     except KeyboardInterrupt:
         print("testbed: interrupted", file=sys.stderr)

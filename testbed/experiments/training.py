@@ -104,7 +104,8 @@ def _finish(tb, summary: dict, before: dict, hosts: list[str], started: float, c
         "user_dropped": sum(e.get("user_dropped") or 0 for e in engines),
         "engines": engines, "config": dataclasses.asdict(cfg), "started_at": started,
     })
-    dead = [f"{e['link']} {e['direction']}" for e in engines if not e["alive"]]
+    dead = [f"{e['link']} {e['direction']}" + (f" ({e['error']})" if e.get("error") else "")
+            for e in engines if not e["alive"]]
     if dead:
         # Fail closed: a dead engine dropped its link's traffic; the run cannot claim it saw corruption.
         summary.setdefault("status_workers", summary["status"])

@@ -7,7 +7,8 @@ Errors are `RemoteError`s; the message always names the machine and its address
 (`m2 (192.0.2.12:22): unreachable: [Errno 113] No route to host`), and `kind` says what went wrong:
 `unreachable`, `authentication`, `host-key` (the machine's host key is unknown, changed or revoked), `ssh` (the
 SSH handshake failed otherwise), `not-root`, `testbed-missing`, `version`, `command` (a command exited non-zero),
-`timeout`, `file` (an SFTP operation failed).
+`timeout`, `unanswered` (a machine that stopped answering while a command ran: no reply to an SSH request within
+UNANSWERED_S seconds), `file` (an SFTP operation failed).
 
 Host keys are checked as OpenSSH checks them (docs/machines.md, "Host keys"): against the machine's
 `known_hosts` file (default ~/.ssh/known_hosts) and /etc/ssh/ssh_known_hosts, by the name OpenSSH looks up
@@ -51,6 +52,11 @@ from testbed.machines.inventory import ACCEPT_NEW, Inventory, Machine
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
+# A command that prints nothing for QUIET_S seconds has its machine asked whether it still answers (an SSH
+# request that sshd replies to); no reply within UNANSWERED_S ends the wait with an UnansweredError. The TCP
+# connection alone cannot tell: a machine whose sshd is stopped (or frozen) still has its kernel acknowledge.
+QUIET_S = 10.0
+UNANSWERED_S = 30.0
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _STDERR_TAIL = 2000
 
@@ -112,6 +118,12 @@ class RemoteError(RuntimeError):
 
 class UnreachableError(RemoteError):
     kind = "unreachable"
+
+
+class UnansweredError(RemoteError):
+    """The machine stopped answering over a connection that was open (its sshd stopped or frozen)."""
+
+    kind = "unanswered"
 
 
 class AuthenticationError(RemoteError):
@@ -269,6 +281,7 @@ class Remote:
         self._proxy = proxy
         self._sftp: paramiko.SFTPClient | None = None
         self._sftp_lock = threading.Lock()
+        self._ping_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Remote({self.machine.label})"
@@ -328,6 +341,24 @@ class Remote:
             transport.set_keepalive(15)
         return cls(machine, client, proxy)
 
+    def answers(self, within: float = UNANSWERED_S) -> bool:
+        """Whether sshd there replies to an SSH request (keepalive@openssh.com, which OpenSSH answers, if only
+        with a refusal) within `within` seconds. paramiko's own wait for the reply has no timeout, so it waits in
+        a thread of its own; one that never returns ends when the connection is closed."""
+        t = self.client.get_transport()
+        if t is None or not t.is_active():
+            return False
+        replies: list = []
+
+        def ask():
+            with self._ping_lock:  # paramiko keeps one pending global request per transport
+                replies.append(t.global_request("keepalive@openssh.com", wait=True))
+
+        asker = threading.Thread(target=ask, daemon=True, name=f"ping-{self.machine.name}")
+        asker.start()
+        asker.join(within)
+        return bool(replies) and t.is_active()
+
     @property
     def closed(self) -> bool:
         t = self.client.get_transport()
@@ -381,18 +412,27 @@ class Remote:
             reader = threading.Thread(target=_drain, args=(chan.recv_stderr, err), daemon=True)
             writer.start()
             reader.start()
+            heard = time.monotonic()
             while True:
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    chan.settimeout(min(left, 1.0))
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                chan.settimeout(1.0 if left is None else min(left, 1.0))
                 try:
                     data = chan.recv(65536)
                 except socket.timeout:
+                    if time.monotonic() - heard >= QUIET_S:
+                        if not self.answers(UNANSWERED_S):
+                            self.client.close()  # frees the waits on it; the machine cannot be used anyway
+                            raise UnansweredError(self.machine, f"no reply to an SSH request within "
+                                                                f"{UNANSWERED_S:g} s while `{cmd}` ran (its sshd "
+                                                                f"stopped or the machine froze); the command may "
+                                                                f"still be running there")
+                        heard = time.monotonic()
                     continue
                 if not data:
                     break
+                heard = time.monotonic()
                 out.append(data)
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             if not chan.status_event.wait(left):

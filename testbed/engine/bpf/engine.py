@@ -385,7 +385,12 @@ def stats(spec: EngineSpec, rec: dict) -> dict:
         d["error"] = f"bpf engine pins {pin_dir} are gone"
         return d
     d = _stats(spec, side, pin_dir)
-    d["alive"] = True
+    att = side.get("attach")
+    # no process can die, but the filter can go (deleted by hand, the device gone): then the link passes clean,
+    # and a run cannot claim the engine's BER (fail closed reads `alive`); a detach_engine() is no death
+    d["alive"] = bool(side.get("detached")) or not att or attached(att)
+    if not d["alive"]:
+        d["error"] = f"its tc filter is gone from {att['iface']} {att['hook']} (the link passes clean)"
     return d
 
 
@@ -514,6 +519,7 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
 def detach_engine(spec: EngineSpec, rec: dict) -> None:
     """Take the program off the link; a detached link is a clean link, so keep's transmit checksum offload change
     is undone too (a "no engine" measurement after a keep round measured the sender's software segmentation)."""
+    _mark_detached(spec, True)
     side = _side_or_handle(spec, rec)
     if side.get("attach"):
         detach(side["attach"])
@@ -526,6 +532,19 @@ def attach_engine(spec: EngineSpec, rec: dict) -> None:
     if tx and tx.get("was_on"):
         _tx_set(tx, False)
     attach(side["attach"], Path(side.get("pin_dir") or rec["pin_dir"]))
+    _mark_detached(spec, False)
+
+
+def _mark_detached(spec: EngineSpec, detached: bool) -> None:
+    """Record in the sidecar that the program is off its link on purpose (stats() then does not call it dead)."""
+    side_path = sidecar_path(spec)
+    with _locked(side_path):
+        try:
+            side = _load_side(spec)
+        except (OSError, ValueError):
+            return
+        side["detached"] = detached
+        write_json_atomic(side_path, side, indent=1)
 
 
 def u64_to_double(x: int) -> float:
