@@ -5,9 +5,10 @@
 - monitor-engines.jsonl: the engines' counters per link direction (bits flipped, packets modified), sampled
   every SAMPLE_S while the workers run. This is the ground truth of where errors happened (and what a PHY's
   error counters would show); the detectors do not read it, `testbed locate` prints it beside them.
-- with on_detection clean: the detectors run on rank 0's collection every SAMPLE_S; when the first becomes
-  confident, the link it names gets BER 0 on both directions (tb.set_link, what `testbed link set` does),
-  once, logged in monitor-actions.jsonl. The run goes on: `testbed locate` compares step times before and after.
+- with on_detection clean: the detectors run on rank 0's collection as it grows (looked at every POLL_S); when
+  the first becomes confident, the link it names gets BER 0 on both directions (tb.set_link, what `testbed link
+  set` does), once, logged in monitor-actions.jsonl. The run goes on: `testbed locate` compares step times
+  before and after.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from testbed.locate import detectors
 from testbed.locate.detectors import ACTIONS_FILE, ENGINES_FILE, MONITOR_FILE, RANKS_FILE
 from testbed.locate.paths import hop_paths, link_directions
 
-SAMPLE_S = 0.5
+SAMPLE_S = 0.5  # the engines' counters
+POLL_S = 0.05  # rank 0's collection, while an action on a detection is still to come
 ENGINE_FIELDS = ("bits_seen", "bits_flipped", "packets_modified")
 
 
@@ -50,19 +52,24 @@ def monitoring(tb, cfg, run_dir, hosts: list[str]):
 
     def sample():
         acted = not act
+        due = 0.0  # when the engines' counters are sampled next
         with open(run_dir / ENGINES_FILE, "a") as f:
             while True:
-                try:
-                    snap = tb.counters()
-                except Exception:  # the topology is going down: the last sample is already written
-                    return
-                row = {"time": time.time(), "engines": {k: {x: v.get(x) for x in ENGINE_FIELDS}
-                                                        for k, v in snap.items()}}
-                f.write(json.dumps(row) + "\n")
-                f.flush()
+                # rank 0's collection first and more often than the counters: an action lands within about a
+                # step of its detection, not after the engines of every link were read (slow on a loaded host)
                 if not acted and collected.read_new():
                     acted = act_on_detection(tb, run_dir, cfg.on_detection, collected)
-                if stop.wait(SAMPLE_S):
+                if time.monotonic() >= due:
+                    try:
+                        snap = tb.counters()
+                    except Exception:  # the topology is going down: the last sample is already written
+                        return
+                    row = {"time": time.time(), "engines": {k: {x: v.get(x) for x in ENGINE_FIELDS}
+                                                            for k, v in snap.items()}}
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    due = time.monotonic() + SAMPLE_S
+                if stop.wait(POLL_S if not acted else max(0.0, due - time.monotonic())):
                     return
 
     t = threading.Thread(target=sample, daemon=True, name="engine-sampler")
