@@ -40,7 +40,7 @@ import paramiko
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from testbed.topology.yamlfile import InputError, YamlDocument, parse_yaml, pydantic_problems
+from testbed.topology.yamlfile import InputError, YamlDocument, parse_yaml, pydantic_problems, read_text
 
 # The rule of node names in topologies (testbed.topology.topo.NODE_NAME_RE; repeated here so that topo may import this
 # module without a cycle; tests/test_inventory.py checks the two stay equal).
@@ -222,11 +222,7 @@ class InventoryFile(_Strict):
 
 def load_inventory(path: str | Path) -> Inventory:
     """Read a machines file (YAML, or an OpenSSH client config such as `vagrant ssh-config` output)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise InputError(path, [("", f"cannot read file: {e.strerror or e}")]) from None
-    return parse_inventory(text, str(path))
+    return parse_inventory(read_text(path), str(path))  # InputError naming the file: unreadable, not UTF-8
 
 
 def parse_inventory(text: str, path: str = "<string>") -> Inventory:

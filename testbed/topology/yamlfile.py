@@ -66,20 +66,40 @@ class YamlDocument:
 def read_yaml(path: str | Path) -> YamlDocument:
     """Read and parse a YAML file; InputError when it cannot be read, is not YAML, repeats a key or is empty."""
     path = Path(path)
+    data, lines = parse_yaml(read_text(path), path)
+    return YamlDocument(str(path), data, lines)
+
+
+def read_text(path: str | Path) -> str:
+    """The text of an input file; InputError naming the file when it cannot be read or is not UTF-8 text."""
     try:
-        text = path.read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise InputError(path, [("", f"cannot read file: {e.strerror or e}")]) from None
-    data, lines = parse_yaml(text, path)
-    return YamlDocument(str(path), data, lines)
+    except UnicodeDecodeError as e:
+        raise InputError(path, [("", f"not a text file: byte {e.start} is not UTF-8 ({e.reason})")]) from None
+
+
+# More values than any input file of the project holds; aliases (*name) that expand beyond it are refused
+# rather than walked (a few nested aliases can stand for billions of values).
+MAX_VALUES = 100_000
 
 
 def parse_yaml(text: str, path: str | Path | None = None) -> tuple[Any, dict[str, int]]:
     """(data, field path -> line number) of YAML text; `path` names the file in errors."""
-    loader = _UniqueKeyLoader(text)
+    loader = None
     try:
+        loader = _UniqueKeyLoader(text)  # refuses characters YAML does not allow (a ReaderError)
         node = loader.get_single_node()
+        if node is not None:
+            _check_graph(node)
         data = loader.construct_document(node) if node is not None else None
+    except RecursionError:  # the composer recurses once per level of nesting
+        raise InputError(path, [("", "not valid YAML: nested too deeply")]) from None
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        what = f"character #x{e.character:04x}" if isinstance(e.character, int) else "byte"
+        raise InputError(path, [("", f"not valid YAML: {what} is not allowed ({e.reason})")], {"": line}) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e)
@@ -89,7 +109,8 @@ def parse_yaml(text: str, path: str | Path | None = None) -> tuple[Any, dict[str
         raise InputError(path, [("", f"not valid YAML (column {mark.column + 1}): {problem}")],
                          {"": mark.line + 1}) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if data is None:
         raise InputError(path, [("", "the file is empty")])
     lines: dict[str, int] = {}
@@ -123,8 +144,13 @@ def field_path(loc: tuple) -> str:
         if isinstance(part, int):
             s += f"[{part}]"
         else:
-            s += ("." if s else "") + str(part)
+            s += ("." if s else "") + _key(part)
     return s
+
+
+def _key(key) -> str:
+    """A mapping key as a field path writes it: an empty key as '' (else the path would name nothing)."""
+    return str(key) if str(key) != "" else "''"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -132,7 +158,17 @@ def field_path(loc: tuple) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    pass
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # A value its tag cannot hold (`!!float abc`, `!!int 1.5`) fails in the constructor with a plain ValueError
+        # or TypeError that says neither where nor what: make it a YAML error at the node.
+        try:
+            return super().construct_object(node, deep=deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, TypeError, OverflowError) as e:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {node.value!r} as {node.tag.rsplit(':', 1)[-1]}: {e}",
+                node.start_mark) from None
 
 
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -152,11 +188,36 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _check_graph(root: yaml.Node) -> None:
+    """Refuse an alias inside what its anchor names (`a: &x [*x]`: a value that contains itself, which nothing
+    can validate or print) and aliases that expand to more than MAX_VALUES values."""
+    seen = 0
+    stack: list[tuple[yaml.Node, frozenset[int]]] = [(root, frozenset())]
+    while stack:
+        node, above = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"more than {MAX_VALUES} values (aliases that expand without end?)", node.start_mark)
+        if id(node) in above:
+            raise yaml.constructor.ConstructorError(
+                None, None, "an alias inside the value its anchor names: a value cannot contain itself",
+                node.start_mark)
+        if isinstance(node, yaml.MappingNode):
+            children = [n for kv in node.value for n in kv]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            continue
+        inner = above | {id(node)}
+        stack.extend((child, inner) for child in reversed(children))
+
+
 def _index_lines(node: yaml.Node, path: str, out: dict[str, int]) -> None:
     out.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         for k, v in node.value:
-            sub = f"{path}.{k.value}" if path else str(k.value)
+            sub = f"{path}.{_key(k.value)}" if path else _key(k.value)
             out[sub] = k.start_mark.line + 1
             _index_lines(v, sub, out)
     elif isinstance(node, yaml.SequenceNode):
