@@ -37,6 +37,17 @@ Ber = Annotated[float | None, _wrap(lambda x: units.parse_probability(x, upper=0
 Size = Annotated[int | None, _wrap(units.parse_size)]
 
 
+def _address_text(value: Any) -> Any:
+    # YAML reads 10.0.0.0/24 as text; ipaddress would take a number (or true) as an address (1 -> 0.0.0.1/32)
+    if isinstance(value, (bool, int, float)):
+        raise ValueError(f"write an address as text, such as '10.0.0.0/24', got {value!r}")
+    return value
+
+
+Network = Annotated[ipaddress.IPv4Network, BeforeValidator(_address_text)]
+Interface = Annotated[ipaddress.IPv4Interface, BeforeValidator(_address_text)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -103,7 +114,7 @@ class LinkModel(ImpairmentSpec):
     endpoints: list[str] = Field(min_length=2, max_length=2)
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
     mtu: int = Field(default=1500, ge=68, le=65535)
-    subnet: ipaddress.IPv4Network | None = None
+    subnet: Network | None = None
     offloads: OffloadSpec | None = None
     directions: dict[str, ImpairmentSpec] | None = None
 
@@ -113,8 +124,8 @@ class NodeModel(_Strict):
     image: str | None = None
     cpus: float | None = Field(default=None, gt=0, le=1024)
     memory: Size = None
-    addresses: dict[str, ipaddress.IPv4Interface] | None = None
-    subnet: ipaddress.IPv4Network | None = None
+    addresses: dict[str, Interface] | None = None
+    subnet: Network | None = None
     env: dict[str, str] | None = None
     # where the node runs when the topology is brought up with an inventory (`--machines FILE`): a machine's
     # name there; unplaced nodes are spread automatically (testbed/machines/placement.py). Ignored without one.
@@ -127,7 +138,7 @@ class TopologyBody(_Strict):
 
 
 class MgmtModel(_Strict):
-    subnet: ipaddress.IPv4Network = DEFAULT_MGMT_SUBNET
+    subnet: Network = DEFAULT_MGMT_SUBNET
 
 
 class TopologyFile(_Strict):
@@ -137,7 +148,7 @@ class TopologyFile(_Strict):
     seed: int = Field(default=0, ge=0, lt=2**62)
     control_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=lambda: list(DEFAULT_CONTROL_PORTS))
     mgmt: MgmtModel = Field(default_factory=MgmtModel)
-    data_subnet: ipaddress.IPv4Network = DEFAULT_DATA_POOL
+    data_subnet: Network = DEFAULT_DATA_POOL
     topology: TopologyBody
 
     @field_validator("name")

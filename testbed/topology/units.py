@@ -6,6 +6,7 @@ prefixes it with the file and the field path.
 
 from __future__ import annotations
 
+import math
 import re
 
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -37,6 +38,8 @@ def parse_rate(value: object) -> int:
         bps = float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
     else:
         raise ValueError(f"expected a rate such as '10gbit', got {type(value).__name__}")
+    if not math.isfinite(bps):
+        raise ValueError(f"rate must be a finite number, got {value!r}")
     if bps <= 0:
         raise ValueError(f"rate must be positive, got {value!r}")
     if bps < 8:
@@ -51,6 +54,8 @@ def parse_duration(value: object) -> float:
     if isinstance(value, (int, float)):
         if value == 0:
             return 0.0
+        if not math.isfinite(value):
+            raise ValueError(f"duration must be a finite number with a unit, got {value!r}")
         raise ValueError(f"duration {value!r} needs a unit: ns, us, ms or s (e.g. '{value}ms')")
     if not isinstance(value, str):
         raise ValueError(f"expected a duration such as '1ms', got {type(value).__name__}")
@@ -59,7 +64,10 @@ def parse_duration(value: object) -> float:
         if value.strip().startswith("-"):
             raise ValueError(f"duration must not be negative, got {value!r}")
         raise ValueError(f"cannot parse duration {value!r}: use a number with ns, us, ms or s, e.g. '100us'")
-    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration must be a finite number, got {value!r}")
+    return seconds
 
 
 def parse_fraction(value: object) -> float:
@@ -114,7 +122,10 @@ def parse_size(value: object) -> int:
         m = _SIZE_RE.match(value.strip())
         if not m:
             raise ValueError(f"cannot parse size {value!r}: use a number with k, m or g, e.g. '512m'")
-        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        size = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+        if not math.isfinite(size):
+            raise ValueError(f"size must be a finite number, got {value!r}")
+        n = int(size)
     else:
         raise ValueError(f"expected a size such as '2g', got {type(value).__name__}")
     if n <= 0:
