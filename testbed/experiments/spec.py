@@ -94,7 +94,8 @@ def train_spec(partial: bool = False) -> type[BaseModel]:
         if s.optional or partial:
             tp = tp | None
         default = None if partial else ... if s.required else s.default
-        fields[s.name] = (tp, Field(default=default, ge=s.ge, gt=s.gt, le=s.le, description=s.help))
+        finite = {"allow_inf_nan": False} if s.kind is float else {}  # as TrainSettings requires
+        fields[s.name] = (tp, Field(default=default, ge=s.ge, gt=s.gt, le=s.le, description=s.help, **finite))
     return create_model("PartialTrainSpec" if partial else "TrainSpec", __base__=_Strict, **fields)
 
 
@@ -182,7 +183,7 @@ class ExperimentFile(_Strict):
     train: TrainSpec = Field(default_factory=TrainSpec)
     latency: LatencySpec | None = None
     fault: FaultSpec | None = None
-    point_timeout: float = Field(default=1800, gt=0, description="wall-clock limit per point (s)")
+    point_timeout: float = Field(default=1800, gt=0, allow_inf_nan=False, description="wall-clock limit per point (s)")
     tolerance: Tolerance = Field(default=DEFAULT_TOLERANCE, description="the paired rule's tolerance on the "
                                  "eval-loss gap, relative to the clean eval loss ('1%' or 0.01); set before the run")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -281,8 +282,11 @@ class Experiment:
         if cand.is_absolute():
             return cand
         for base in (self.base_dir, self.base_dir.parent, Path.cwd()):
-            if (base / cand).exists():
-                return base / cand
+            try:
+                if (base / cand).exists():
+                    return base / cand
+            except OSError:  # a name the file system cannot hold (too long): no such file here; loading it says so
+                continue
         return self.base_dir / cand
 
     def _recipe_problems(self) -> list[tuple[str, str]]:

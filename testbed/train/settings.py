@@ -20,6 +20,7 @@ Imports nothing heavy (no torch): validation and the CLIs need only this and the
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -86,6 +87,8 @@ class Setting(NamedTuple):
         if not ok(value):
             want = {list: "a list of str", tuple: f"{self.length} floats"}.get(self.kind, self.kind.__name__)
             return f"must be {want}, got {value!r}"
+        if self.kind in (float, tuple) and not all(map(math.isfinite, value if self.kind is tuple else [value])):
+            return f"must be finite, got {value!r}"  # inf as a timeout, a rate or a bound breaks the run later
         if self.choices and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, got {value!r}"
         for bound, holds, word in ((self.ge, lambda b: value >= b, ">="), (self.gt, lambda b: value > b, ">"),
