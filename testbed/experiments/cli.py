@@ -31,6 +31,12 @@ def cmd_train(args) -> int:
     if os.path.exists(args.topology):
         target = Topology.load(args.topology, name=args.name)
     else:
+        from testbed.state import running_names
+
+        if args.topology not in running_names():
+            print(f"testbed train: {args.topology}: no such topology file, and no topology of that name is up "
+                  "(see `testbed status`)", file=sys.stderr)
+            return 2
         target = args.topology  # the name of a topology that is up
     protect = [p.strip() for p in args.protect.split(",") if p.strip()] if args.protect is not None else None
     machines = None
@@ -54,10 +60,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from testbed.experiments.runner import run_experiment
     from testbed.experiments.spec import Experiment
 
-    exp = Experiment.load(args.experiment)
+    exp = Experiment.load(args.experiment)  # bad input is refused before the runner (and torch) is imported
     machines = None
     if args.machines:
         from testbed.machines.inventory import load_inventory
@@ -83,6 +88,8 @@ def cmd_run(args) -> int:
                                        retry_failed=args.retry_failed, resources=resources, detach=args.detach,
                                        recipes=recipes)
         else:
+            from testbed.experiments.runner import run_experiment
+
             rows = run_experiment(exp, args.out, runtime=args.runtime, retry_failed=args.retry_failed,
                                   machines=machines, cold=args.cold, recipes=recipes)
     except ValueError as e:
@@ -105,8 +112,11 @@ RESOURCE_FLAGS = ("cpus", "gpus", "mem", "time", "partition", "account")
 
 
 def resources_of(exp, args):
-    """The experiment's `resources:` with the flags over it (ValueError naming a bad --sbatch)."""
+    """The experiment's `resources:` with the flags over it (ValueError naming a bad flag or --sbatch)."""
+    from pydantic import ValidationError
+
     from testbed.experiments.spec import ResourcesSpec
+    from testbed.topology.yamlfile import pydantic_problems
 
     update = {("memory" if k == "mem" else k): getattr(args, k) for k in RESOURCE_FLAGS if getattr(args, k) is not None}
     extra = dict(exp.spec.resources.sbatch)
@@ -115,7 +125,12 @@ def resources_of(exp, args):
         if not key.strip().lstrip("-"):
             raise ValueError(f"--sbatch {opt!r}: give NAME=VALUE (or NAME for a flag), e.g. --sbatch qos=high")
         extra[key.strip().lstrip("-")] = value if eq else True
-    return ResourcesSpec(**{**exp.spec.resources.model_dump(), **update, "sbatch": extra})
+    try:
+        return ResourcesSpec(**{**exp.spec.resources.model_dump(), **update, "sbatch": extra})
+    except ValidationError as e:  # only a flag can be wrong here: the file's resources were checked on loading
+        flags = {"memory": "--mem"}
+        raise ValueError("; ".join(f"{flags.get(field, '--' + field)}: {msg}"
+                                   for field, msg in pydantic_problems(e))) from None
 
 
 def cmd_report(args) -> int:
