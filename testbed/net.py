@@ -232,7 +232,7 @@ class Testbed(BaseTestbed):
                 "up_pid": d.get("up_pid"), "created_at": d.get("created_at"), "hosts": hosts, "engines": engines,
                 "healthy": d.get("phase") == "up" and not dead and not missing,
                 "problems": [f"engine dead: {x} (its link drops all traffic: fail closed)" for x in dead]
-                + [f"host gone: {h}" for h in missing]}
+                + [f"host gone: {h}: {self.runtime.why_gone(self.host(h))}" for h in missing]}
 
     def set_link(self, link_name: str, direction: str | None = None, **settings) -> list[str]:
         """Change corruption settings of a running link (one direction or both) without touching its traffic.

@@ -71,6 +71,10 @@ class Runtime(ABC):
         """Whether the host still exists (its network namespace is there)."""
         return os.path.exists(host.netns)
 
+    def why_gone(self, host: Host) -> str:
+        """What `status` says of a host that is not alive."""
+        return f"its network namespace {host.netns} is gone"
+
     def shared_dir(self):
         """A directory that the hosts see at the same path as this machine (None: the whole file system)."""
         return None

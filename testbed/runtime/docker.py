@@ -166,6 +166,17 @@ class DockerRuntime(Runtime):
             return False
         return ctr.status == "running" and int(ctr.attrs["State"].get("Pid") or 0) == host.pid
 
+    def why_gone(self, host: Host) -> str:
+        import docker
+        try:
+            ctr = self.client.containers.get(host.container_id)
+        except RuntimeUnavailable as e:
+            return f"the Docker engine does not answer ({str(e).split('. ')[0]})"
+        except docker.errors.NotFound:
+            return f"its container {host.container_id[:12]} is gone"
+        return f"its container {host.container_id[:12]} is {ctr.status}" + (
+            f" (exit code {ctr.attrs['State'].get('ExitCode')})" if ctr.status == "exited" else "")
+
     def shared_dir(self):
         return WORK_DIR
 
