@@ -50,7 +50,10 @@ def down(name: str) -> dict:
     """Remove topology `name` from wherever it runs. {"found": False} if nothing of it is here; else its
     errors (the state is kept when there are any, for a retry) and where the final counters went."""
     from testbed.clean import leftovers, teardown
+    from testbed.topology.schema import TOPOLOGY_NAME_RE
 
+    if not TOPOLOGY_NAME_RE.match(name):  # no topology has it; '' would match every topology's leftovers
+        raise ValueError(f"{name!r} is not a topology name (1-24 of a-z 0-9 _ -, starting with a letter or digit)")
     if _spans_machines(name):
         return {"found": True, "errors": cluster.down(name)}
     if name not in running_names() and not any(leftovers(name).values()):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -232,6 +232,7 @@ class Experiment:
     spec: ExperimentFile
     file: str
     base_dir: Path
+    _topologies: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str | Path) -> "Experiment":
@@ -368,9 +369,18 @@ class Experiment:
         return problems
 
     def topology(self, mode: str, recipe: str | None = None) -> Topology:
-        """The topology of a mode's points, or of a recipe's when the recipe names its own."""
+        """The topology of a mode's points, or of a recipe's when the recipe names its own. Read once per file
+        and version of it (a Topology is immutable): checking a ladder of recipes asks for it hundreds of times."""
         own = self.recipe(recipe).topology if recipe else None
-        return Topology.load(self.resolve(own or self.spec.topologies[mode]))
+        path = self.resolve(own or self.spec.topologies[mode])
+        try:
+            st = path.stat()
+            key = (str(path), st.st_mtime_ns, st.st_size)
+        except OSError:
+            return Topology.load(path)  # its error names the file
+        if key not in self._topologies:
+            self._topologies[key] = Topology.load(path)
+        return self._topologies[key]
 
     def fault_link(self, point: Point) -> str | None:
         """The link that carries the point's BER when the file has a `fault:` (None: every link does, or the
