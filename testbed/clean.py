@@ -36,8 +36,11 @@ def teardown(name: str, save_stats: bool = True, results_dir: str | Path | None 
         if save_stats and final["engines"]:
             out_dir = Path(results_dir or st.data.get("results_dir") or HISTORY_ROOT / name)
             path = out_dir / f"stats-{time.strftime('%Y%m%d-%H%M%S')}.json"
-            write_json_atomic(path, final["engines"])
-            final["stats_file"] = str(path)
+            try:
+                write_json_atomic(path, final["engines"])
+                final["stats_file"] = str(path)
+            except OSError as e:  # e.g. its disk is full: the counters are lost, the teardown goes on
+                final["stats_error"] = f"{path}: {e}"
         for hd in st.data.get("hosts", {}).values():
             if hd.get("pending"):
                 continue

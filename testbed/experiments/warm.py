@@ -104,7 +104,10 @@ class WorkerPool:
     def close(self, wait_s: float = 5.0) -> None:
         for proc, sid, k in self.services.values():
             if proc.poll() is None:
-                write_json_atomic(request_path(self.inbox, sid, k), {"stop": True})
+                try:
+                    write_json_atomic(request_path(self.inbox, sid, k), {"stop": True})
+                except OSError:  # e.g. the disk is full: no request can reach it, so it goes the hard way
+                    proc.kill()
         deadline = time.monotonic() + wait_s
         for proc, _, _ in self.services.values():
             try:
