@@ -294,22 +294,34 @@ def run_experiment_jobs(exp: Experiment, out: str | Path, executor: str = "slurm
         ex = SlurmExecutor(out, res, exp.spec.name, runtime)
     else:
         ex = LocalExecutor(out, jobs, runtime)
-    have = sum(1 for p in points if store.done(p, fps[p.recipe]))
-    bar = tqdm(total=len(points), initial=have, unit="point", dynamic_ncols=True, desc=exp.spec.name,
-               file=sys.stderr)
-    say = log or (lambda m: bar.write(m, file=sys.stderr))
-    if have:
-        say(f"{have} of {len(points)} points already in {out / 'results.jsonl'}")
     try:
+        have = sum(1 for p in points if store.done(p, fps[p.recipe]))
+        bar = tqdm(total=len(points), initial=have, unit="point", dynamic_ncols=True, desc=exp.spec.name,
+                   file=sys.stderr)
+        say = log or (lambda m: bar.write(m, file=sys.stderr))
+        for note in store.notes:
+            say(note)
+        if have:
+            say(f"{have} of {len(points)} points already in {out / 'results.jsonl'}")
         try:
-            run_jobs(exp, out, ex, points, store, fps, runtime, say, bar, retry_failed=retry_failed, detach=detach)
-        finally:  # rows in the grid's order, as a sequential run writes them (jobs end in any order)
-            store.order([p.id for p in points])
-        complete = all(store.done(p, fps[p.recipe]) for p in points)
-        if exp.spec.latency is not None and complete:
-            run_latency(exp, out, runtime, say)  # on this machine (root: a topology)
+            try:
+                run_jobs(exp, out, ex, points, store, fps, runtime, say, bar, retry_failed=retry_failed,
+                         detach=detach)
+            finally:  # rows in the grid's order, as a sequential run writes them (jobs end in any order)
+                if sys.exc_info()[0] is None:
+                    store.order([p.id for p in points])
+                else:
+                    try:
+                        store.order([p.id for p in points])
+                    except OSError:
+                        pass  # e.g. the disk is full: the error on its way out says so; the file is as it was
+            complete = all(store.done(p, fps[p.recipe]) for p in points)
+            if exp.spec.latency is not None and complete:
+                run_latency(exp, out, runtime, say)  # on this machine (root: a topology)
+        finally:
+            bar.close()
     finally:
-        bar.close()
+        store.close()
     return list(store.rows.values())
 
 
@@ -318,6 +330,8 @@ def run_jobs(exp: Experiment, out: Path, executor, points: list[Point], store, f
              say, bar, retry_failed: bool = False, detach: bool = False) -> None:
     """Run the points of `points` that have no row in `store` (and, `retry_failed`, those whose row is not ok)
     as jobs of `executor`, merging rows into `store` as they end; see the module docstring."""
+    from testbed.experiments.runner import output_error
+
     by_id = {p.id: p for p in exp.points()}
     jobs: dict[str, Job] = {}
     previous = load_jobs(out)
@@ -327,13 +341,23 @@ def run_jobs(exp: Experiment, out: Path, executor, points: list[Point], store, f
         executor.states(old)
         for j in old:
             if row_path(out, j.point).exists():
-                _merge(out, j, store, say, bar)
+                _merge(out, j, store, say, bar, earlier=True)
             elif j.state in ("queued", "running", "ended"):  # ended: its row may not be visible yet
                 jobs[j.point] = j
             elif j.state == "failed":
-                _fail(exp, j, store, say, bar, by_id, fps, runtime)
+                _fail(exp, j, store, say, bar, by_id, fps, runtime, earlier=True)
         if old:
             say(f"{len(old)} jobs of an earlier run found in {out / JOBS_FILE}: {len(jobs)} still queued or running")
+    for p in points:  # rows that jobs of an earlier run wrote and it did not merge (killed first): merged now
+        if p.id not in jobs and not store.done(p, fps[p.recipe]) and row_path(out, p.id).exists():
+            try:
+                row = json.loads(row_path(out, p.id).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(row, dict) and row.get("point") == p.id and row.get("fingerprint") == fps[p.recipe]:
+                store.add(row)
+                say(f"{p.id}: {row['status']}: merged the row a job of an earlier run wrote ({row_path(out, p.id)})")
+                bar.update(1)
     todo = [p for p in points if p.id not in jobs and (
         not store.done(p, fps[p.recipe]) or (retry_failed and store.done(p)["status"] != "ok"))]
     for p in todo:
@@ -368,16 +392,25 @@ def run_jobs(exp: Experiment, out: Path, executor, points: list[Point], store, f
             if not waiting and all(p in finished for p in jobs):
                 break
             time.sleep(1.0 if executor.name == "local" else 3.0)
-    except KeyboardInterrupt:
+    except BaseException as e:
         left = [j for p, j in jobs.items() if p not in finished]
-        if detach and executor.detachable:
+        if not isinstance(e, KeyboardInterrupt) and executor.detachable:
+            # the controller failed (e.g. results.jsonl could not be written): Slurm's jobs go on, a later run
+            # collects them
+            say(f"{len(left)} jobs left queued or running; `testbed run` on {out} again collects them")
+        elif isinstance(e, KeyboardInterrupt) and detach and executor.detachable:
             say(f"detached: {len(left)} jobs left running; `testbed run` on {out} again collects them")
-        else:
-            say(f"interrupted: cancelling {len(left)} jobs")
+        else:  # Ctrl-C, or a local job's controller failing: nobody would collect them
+            say(f"{'interrupted' if isinstance(e, KeyboardInterrupt) else 'stopping'}: cancelling {len(left)} jobs")
             executor.cancel(left)
         raise
     finally:
-        save_jobs(out, executor.name, {p: j for p, j in jobs.items() if p not in finished})
+        try:
+            save_jobs(out, executor.name, {p: j for p, j in jobs.items() if p not in finished})
+        except OSError as e:
+            if sys.exc_info()[0] is None:
+                raise output_error(out / JOBS_FILE, e, "the jobs it lists were collected or are still running; "
+                                                       "free space, then run the same command again") from e
 
 
 def _submit(executor, waiting: list[Point], jobs: dict[str, Job], out: Path) -> list[Point]:
@@ -412,15 +445,35 @@ def _submit(executor, waiting: list[Point], jobs: dict[str, Job], out: Path) -> 
     return later
 
 
-def _fail(exp, job: Job, store, say, bar, by_id, fps, runtime) -> None:
+def _disk_full(job: Job, reason: str | None, store, say, earlier: bool) -> bool:
+    """A job that ended because a file system was full: its point did not fail, its disk did, so it gets no row
+    (it runs again). In this run's jobs that stops the run (OutputError: every next point would fail the same
+    way); a job of an earlier run is only said (its point is submitted again). False: not a full disk."""
+    from testbed.experiments.runner import OutputError, disk_full_reason
+
+    if not disk_full_reason(reason):
+        return False
+    row_path(store.path.parent, job.point).unlink(missing_ok=True)
+    if earlier:
+        say(f"{job.point}: its job of an earlier run found its disk full ({reason}): it runs again")
+        return True
+    raise OutputError(f"{job.point}: its job could not write its run directory or row ({reason}); not recorded "
+                      f"({store.path} is as it was): free space, then run the same command again", 28)
+
+
+def _fail(exp, job: Job, store, say, bar, by_id, fps, runtime, earlier: bool = False) -> None:
     point = by_id[job.point]
+    if _disk_full(job, job.reason, store, say, earlier):
+        return
     store.add(failed_row(exp, point, fps[point.recipe], runtime, job.reason))
     say(f"{job.point}: error: {job.reason}")
     bar.update(1)
 
 
-def _merge(out, job: Job, store, say, bar) -> None:
+def _merge(out, job: Job, store, say, bar, earlier: bool = False) -> None:
     row = json.loads(row_path(out, job.point).read_text())
+    if row.get("status") != "ok" and _disk_full(job, row.get("reason"), store, say, earlier):
+        return
     store.add(row)
     where = f" [{job.node}]" if job.node else ""
     say(f"{job.point}{where}: {row['status']}: {row.get('reason') or _summary(row)}")

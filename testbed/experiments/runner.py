@@ -4,6 +4,10 @@ brought up topology with fresh workers), and keep results safe across interrupti
 
 - results.jsonl is rewritten atomically after every point (temp file + rename): an interrupted run loses only
   the point in progress, and a re-run skips every point already there (same experiment fingerprint).
+- One run per DIR (RunLock). A run starts by taking down what a run of DIR killed outright left running on this
+  machine (sweep_earlier_runs); a damaged results.jsonl is reported line by line and its bad lines kept in
+  results-damaged.txt (ResultsStore); a full disk stops the run with OutputError, recording no row for the
+  point it broke (docs/experiments.md, "Faults").
 - BER-0 baselines run first: every other point is compared with its baseline (weight deviation).
 - A progress bar shows points done and the ETA; each point's outcome is printed as it finishes.
 """
@@ -17,11 +21,12 @@ import math
 import os
 import platform
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
-from testbed.fileio import read_jsonl, write_atomic, write_json_atomic
+from testbed.fileio import DISK_FULL, read_jsonl, read_jsonl_objects, write_atomic, write_json_atomic
 from testbed.train.model import seq_len_of
 from testbed.train.settings import TrainSettings, default_of
 from testbed.analysis.results import error_row, new_row
@@ -30,19 +35,76 @@ from testbed.experiments.training import DEFAULT_COLLECTIVES, summary_line, trai
 from testbed.experiments.warm import WarmSweep
 
 
+RESULTS_FILE = "results.jsonl"
+DAMAGED_FILE = "results-damaged.txt"  # lines of results.jsonl that were no row, kept as they were
+LOCK_FILE = ".run.lock"  # held (flock) by the one `testbed run` that writes into DIR
+
+
+class OutputError(OSError):
+    """The run directory cannot take what the run must write (its file system full, over quota, read-only): the
+    sweep stops with results.jsonl as it was on disk, every complete row in it, and says what to do."""
+
+    def __init__(self, message: str, errno_: int | None = None):
+        super().__init__(message)
+        self.errno = errno_
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class RunDirectoryBusy(RuntimeError):
+    """Another `testbed run` is writing into the same directory."""
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def output_error(path: Path, e: OSError, what: str, needed: int | None = None) -> OutputError:
+    """An OutputError for a failed write of `path` (`what`: what was lost, what stays, what to do; `needed`: the
+    bytes the write needed)."""
+    free = _free_bytes(path.parent if not path.is_dir() else path)
+    why = e.strerror or str(e)
+    if e.errno in DISK_FULL and free is not None:
+        why += f" ({free:,} bytes free on its file system{f', {needed:,} needed' if needed else ''})"
+    return OutputError(f"cannot write {path}: [Errno {e.errno}] {why}; {what}", e.errno)
+
+
+def disk_full_reason(text: str | None) -> bool:
+    """Whether a failure's reason says that a file system was full (a worker's write of its metrics or
+    parameters, a summary): the point did not fail, its disk did."""
+    return bool(text) and any(k in text for k in ("No space left on device", "Disk quota exceeded", "[Errno 28]",
+                                                  "[Errno 122]"))
+
+
 class ResultsStore:
     """results.jsonl: one row per finished point of the current experiment, always complete on disk.
 
     Rows of another fingerprint (the model, steps, training settings, a recipe, topologies or runtime changed)
     are not this experiment's results: they move to results-<fingerprint>.jsonl instead of mixing into the
-    report. `fingerprints`: those of the experiment's recipes (one string: a single one)."""
+    report. `fingerprints`: those of the experiment's recipes (one string: a single one).
+
+    A line that is no row (cut off, not JSON, JSON but not an object, an object without a point id: the file was
+    damaged outside the testbed, which only ever replaces it whole) is never dropped silently: it moves to
+    results-damaged.txt as it was, under a line that says where it came from, and `notes` says what was found
+    (file, line, problem, the point a cut-off row still names); a point left without a row runs again.
+    A failed write (disk full) raises OutputError; the file on disk keeps its earlier complete version."""
 
     def __init__(self, out: Path, fingerprints: str | set[str]):
         fingerprints = {fingerprints} if isinstance(fingerprints, str) else set(fingerprints)
-        self.path = out / "results.jsonl"
+        self.path = out / RESULTS_FILE
         self.rows: dict[str, dict] = {}
+        self.notes: list[str] = []  # what was found and done on opening, for the run to print
+        self.lock: RunLock | None = None  # DIR's, when open_run opened the store (released by close())
         stale: dict[str, list[dict]] = {}
-        for row in read_jsonl(self.path):
+        rows, bad = read_jsonl_objects(self.path, check=lambda r: None if isinstance(r.get("point"), str)
+                                       and r["point"] else "a JSON object without a point id")
+        if bad:
+            self._keep_aside(out / DAMAGED_FILE, bad)
+        for row in rows:
             if row.get("fingerprint") in fingerprints:
                 self.rows[row["point"]] = row
             else:
@@ -50,9 +112,45 @@ class ResultsStore:
         for fp, rows in stale.items():
             old = out / f"results-{fp}.jsonl"
             keep = read_jsonl(old) + rows
-            write_atomic(old, "".join(json.dumps(r, default=str) + "\n" for r in keep))
-        if stale:
+            try:
+                write_atomic(old, "".join(json.dumps(r, default=str) + "\n" for r in keep))
+            except OSError as e:
+                raise output_error(old, e, f"{self.path} is as it was; free space, then run the same command "
+                                           "again") from e
+            self.notes.append(f"{len(rows)} rows of another fingerprint (the experiment changed) moved from "
+                              f"{self.path} to {old}")
+        if stale or bad:
             self._save()
+
+    def _keep_aside(self, side: Path, bad: list) -> None:
+        """The bad lines into `side` (appended to what it holds), each under a '#' line naming its origin."""
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        text = "".join(f"# {self.path} line {b.line}, found {stamp}: {b.problem}"
+                       f"{f' (a row of point {b.point})' if b.point else ''}\n{b.text}\n" for b in bad)
+        try:
+            before = side.read_text(errors="replace")
+        except FileNotFoundError:
+            before = ""
+        try:
+            write_atomic(side, before + text)
+        except OSError as e:
+            raise output_error(side, e, f"{self.path} is as it was (its damaged lines too); free space, then run "
+                                        "the same command again") from e
+        for b in bad:
+            self.notes.append(f"{self.path} line {b.line}: {b.problem}"
+                              + (f"; it was a row of point {b.point}" if b.point else "")
+                              + f": moved to {side}")
+        lost = sorted({b.point for b in bad if b.point})
+        self.notes.append(f"{len(bad)} damaged line{'s' if len(bad) > 1 else ''} of {self.path} kept as "
+                          f"{'they were' if len(bad) > 1 else 'it was'} in {side}"
+                          + (f"; without a complete row, point{'s' if len(lost) > 1 else ''} {', '.join(lost)} "
+                             f"run{'' if len(lost) > 1 else 's'} again" if lost else ""))
+
+    def close(self) -> None:
+        """Release the directory's lock (open_run took it): the run that held it has ended."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def done(self, point: Point, fingerprint: str | None = None) -> dict | None:
         """The point's row, if it is there (and has `fingerprint`, when given: that of the point's recipe)."""
@@ -60,8 +158,16 @@ class ResultsStore:
         return row if row is not None and fingerprint in (None, row.get("fingerprint")) else None
 
     def add(self, row: dict) -> None:
+        before = self.rows.get(row["point"], _MISSING)
         self.rows[row["point"]] = row
-        self._save()
+        try:
+            self._save()
+        except OutputError:
+            if before is _MISSING:  # not saved: not a row of this run either (the point runs again)
+                del self.rows[row["point"]]
+            else:
+                self.rows[row["point"]] = before
+            raise
 
     def order(self, ids: list[str]) -> None:
         """Put the rows in the order of `ids` (others after them) and save."""
@@ -70,8 +176,149 @@ class ResultsStore:
         self._save()
 
     def _save(self) -> None:
-        write_atomic(self.path, "".join(json.dumps(r, allow_nan=False, default=str) + "\n"
-                                        for r in self.rows.values()))
+        data = "".join(json.dumps(r, allow_nan=False, default=str) + "\n" for r in self.rows.values()).encode()
+        try:
+            write_atomic(self.path, data)
+        except OSError as e:
+            on_disk = len(read_jsonl(self.path))
+            rows = f"{on_disk} complete row{'' if on_disk == 1 else 's'}"
+            raise output_error(self.path, e, f"the file on disk is as it was before this write ({rows}); a point "
+                                             "without a row there runs again: free space, then run the same command "
+                                             "again", needed=len(data)) from e
+
+
+_MISSING = object()
+
+
+class RunLock:
+    """DIR/.run.lock, flock'ed by the one `testbed run` that writes into DIR (two would each rewrite
+    results.jsonl from the rows they know and lose the other's). The kernel drops the lock when its holder dies,
+    SIGKILL included, so a killed run never blocks the next; the file names the holder for the message."""
+
+    def __init__(self, out: Path):
+        import fcntl
+
+        self.path = out / LOCK_FILE
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise output_error(self.path, e, "nothing was run") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = json.loads(os.read(fd, 4096) or b"{}")
+                except ValueError:
+                    holder = {}
+                os.close(fd)
+                who = (f" (pid {holder.get('pid')} on {holder.get('host')}, since "
+                       f"{time.strftime('%H:%M:%S', time.localtime(holder['since']))})" if holder.get("since") else "")
+                raise RunDirectoryBusy(f"{out} is in use by another `testbed run`{who}: two runs in one directory "
+                                       "would overwrite each other's rows; wait for it to end or stop it, then run "
+                                       "this command again") from None
+            except OSError:  # a file system without locks (some network ones): run unlocked, as before locks
+                os.close(fd)
+                self.fd = None
+                return
+            try:  # the file we locked must still be the one at the path (a holder that ended removes it)
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": platform.node(), "since": time.time()}).encode())
+        except OSError:
+            pass  # a full disk: the lock holds all the same, the message will name no holder
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
+
+
+def _orphan(pid: int) -> bool:
+    """Whether `pid`'s parent is gone: it was handed to init (or a subreaper), which runs no testbed and no
+    Slurm job (a Slurm job's workers have the job as parent)."""
+    from testbed import procs
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    if ppid <= 1:
+        return True
+    args = " ".join(procs.cmdline(ppid) or [])
+    return "testbed" not in args and "submitit" not in args
+
+
+def _under(arg: str, out: Path) -> bool:
+    return arg == str(out) or arg.startswith(f"{out}/")
+
+
+def _wait_gone(pids, timeout: float) -> None:
+    from testbed import procs
+
+    deadline = time.monotonic() + timeout
+    while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def sweep_earlier_runs(out: Path, grace_s: float = 30.0) -> list[str]:
+    """What a `testbed run` of DIR that was killed outright (SIGKILL, the OOM killer) left on this machine, taken
+    down before this run starts (the caller holds DIR's RunLock, so no other run of DIR is alive): its `-j`
+    jobs (`python -m testbed.experiments.jobs DIR ...`, each in a session of its own: SIGTERM, so that a job
+    takes its topology down, SIGKILL after `grace_s`), the worker services and workers it started on this
+    machine (their parent gone; --inbox or --out under DIR), and every topology whose state names a results
+    directory under DIR and whose `up` process is gone (namespaces, veths, iptables rules and qdiscs inside
+    them, engines, state). Slurm jobs are left alone (a later run collects them) and so are processes with a
+    live parent. What was taken down, one line each."""
+    from testbed import clean, procs
+    from testbed.state import State, running_names
+
+    done: list[str] = []
+
+    def ours(args: list[str], modules: tuple[str, ...]) -> bool:
+        return any(a == "-m" and i + 1 < len(args) and args[i + 1] in modules for i, a in enumerate(args)) \
+            and any(_under(a, out) for a in args)
+
+    jobs = {p: procs.cmdline(p) or [] for p in procs.pids_with_cmdline(lambda a: ours(a, ("testbed.experiments.jobs",)))
+            if _orphan(p)}
+    for pid in jobs:
+        procs.kill_group(pid, signal.SIGTERM)  # a job leads its own session (LocalExecutor)
+        procs.kill_group(pid, signal.SIGCONT)  # a stopped one too (it acts on the SIGTERM once it runs)
+    _wait_gone(jobs, grace_s)
+    for pid, args in jobs.items():
+        if procs.alive(pid):
+            procs.kill_group(pid, signal.SIGKILL)
+        point = args[args.index(str(out)) + 1] if str(out) in args[:-1] else "?"
+        done.append(f"-j job pid {pid} (point {point})")
+    _wait_gone(jobs, 10)  # its topology is swept below once its `up` process is gone
+    workers = [p for p in procs.pids_with_cmdline(lambda a: ours(a, ("testbed.train.serve", "testbed.train.worker")))
+               if _orphan(p)]
+    for pid in workers:
+        procs.kill(pid, signal.SIGKILL)
+        done.append(f"worker pid {pid}")
+    _wait_gone(workers, 10)
+    for name in running_names():
+        try:
+            data = State.load(name).data
+        except LookupError:
+            continue
+        where = data.get("results_dir")
+        if where and _under(str(where), out) and not procs.alive(data.get("up_pid")):
+            result = clean.teardown(name, save_stats=False)
+            done.append(f"topology {name} (its `up` pid {data.get('up_pid')} is gone)"
+                        + (f": {'; '.join(result['errors'])}" if result.get("errors") else ""))
+    return done
 
 
 def _finite(x):
@@ -266,14 +513,30 @@ def open_run(exp: Experiment, out: str | Path, runtime: str | None, recipes: lis
         wanted = set(chosen) | {p.baseline for p in chosen}
         points = [p for p in points if p in wanted]
     out = Path(out).resolve()
-    (out / "points").mkdir(parents=True, exist_ok=True)
-    runtime = runtime or exp.spec.runtime
-    copy = out / "experiment.yaml"
-    if not (copy.exists() and os.path.samefile(exp.file, copy)):
-        write_atomic(copy, exp.portable_copy())
-    # every recipe of the grid (a part keeps the others' rows), and a control's baseline recipe even outside it
-    fps = {r: exp.fingerprint(runtime, r) for r in dict.fromkeys([*exp.spec.grid.recipe, *(p.recipe for p in points)])}
-    return out, runtime, fps, ResultsStore(out, set(fps.values())), points
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out)  # one run per directory; it also makes what an earlier run left safe to sweep
+    try:
+        swept = sweep_earlier_runs(out)
+        (out / "points").mkdir(exist_ok=True)
+        runtime = runtime or exp.spec.runtime
+        copy = out / "experiment.yaml"
+        if not (copy.exists() and os.path.samefile(exp.file, copy)):
+            try:
+                write_atomic(copy, exp.portable_copy())
+            except OSError as e:
+                raise output_error(copy, e, "nothing was run; free space, then run the same command again") from e
+        # every recipe of the grid (a part keeps the others' rows), and a control's baseline recipe even outside it
+        fps = {r: exp.fingerprint(runtime, r)
+               for r in dict.fromkeys([*exp.spec.grid.recipe, *(p.recipe for p in points)])}
+        store = ResultsStore(out, set(fps.values()))
+    except BaseException:
+        lock.release()
+        raise
+    store.lock = lock
+    if swept:
+        store.notes.insert(0, f"an earlier run of {out} was killed outright; taken down what it left: "
+                              f"{', '.join(swept)}")
+    return out, runtime, fps, store, points
 
 
 def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
@@ -288,34 +551,45 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     from tqdm import tqdm
 
     out, runtime, fps, store, points = open_run(exp, out, runtime, recipes)
-    done = {p: store.done(p, fps[p.recipe]) for p in points}
-    todo = [p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")]
-    bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
-               desc=exp.spec.name, file=sys.stderr)
-    say = log or (lambda m: bar.write(m, file=sys.stderr))
-    if len(todo) < len(points):
-        say(f"{len(points) - len(todo)} of {len(points)} points already in {out / 'results.jsonl'}: skipped")
-    warm = None if cold or machines is not None else WarmSweep(out)
-    if warm is not None:  # a group's points together (a point's baseline is in its group, and stays before it)
-        groups = list(dict.fromkeys(warm_group(exp, p) for p in todo))
-        todo.sort(key=lambda p: groups.index(warm_group(exp, p)))
     try:
-        for point in todo:
-            bar.set_postfix_str(point.id)
-            row = run_point(exp, point, out, runtime, fps[point.recipe], f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
-                                                          f"{points.index(point)}", machines, warm)
-            line = row.pop("_line", None) or f"{row['status']}: {row.get('reason')}"
-            store.add(row)
-            say(f"{point.id}: {line}")
-            bar.update(1)
-        if warm is not None:
-            warm.close()
-        if exp.spec.latency is not None:
-            run_latency(exp, out, runtime, say)
+        done = {p: store.done(p, fps[p.recipe]) for p in points}
+        todo = [p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")]
+        bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
+                   desc=exp.spec.name, file=sys.stderr)
+        say = log or (lambda m: bar.write(m, file=sys.stderr))
+        for note in store.notes:
+            say(note)
+        if len(todo) < len(points):
+            say(f"{len(points) - len(todo)} of {len(points)} points already in {out / 'results.jsonl'}: skipped")
+        warm = None if cold or machines is not None else WarmSweep(out)
+        if warm is not None:  # a group's points together (a point's baseline is in its group, and stays before it)
+            groups = list(dict.fromkeys(warm_group(exp, p) for p in todo))
+            todo.sort(key=lambda p: groups.index(warm_group(exp, p)))
+        try:
+            for point in todo:
+                bar.set_postfix_str(point.id)
+                row = run_point(exp, point, out, runtime, fps[point.recipe],
+                                f"{exp.spec.name[:8]}{os.getpid() % 10000}-{points.index(point)}", machines, warm)
+                line = row.pop("_line", None) or f"{row['status']}: {row.get('reason')}"
+                if row["status"] != "ok" and disk_full_reason(row.get("reason")):
+                    # the point did not fail, its disk did: no row (it runs again once there is space)
+                    raise OutputError(f"{point.id} could not write its run directory {out / row['run_dir']}: "
+                                      f"{row['reason']}; not recorded ({_free_bytes(out) or 0:,} bytes free on its "
+                                      f"file system): {out / 'results.jsonl'} keeps its {len(store.rows)} rows; "
+                                      "free space, then run the same command again", DISK_FULL[0])
+                store.add(row)
+                say(f"{point.id}: {line}")
+                bar.update(1)
+            if warm is not None:
+                warm.close()
+            if exp.spec.latency is not None:
+                run_latency(exp, out, runtime, say)
+        finally:
+            if warm is not None:
+                warm.close()
+            bar.close()
     finally:
-        if warm is not None:
-            warm.close()
-        bar.close()
+        store.close()
     return list(store.rows.values())
 
 
@@ -344,18 +618,30 @@ def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp:
                         machines=machines, warm=warm, **exp.link_settings(point))
     except KeyboardInterrupt:
         raise
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            return error_for(exp, point, fp, runtime, e)
+        # the point did not fail, its disk did: no error row (it would not run again), the sweep stops
+        where = Path(e.filename) if e.filename else run_dir
+        raise output_error(where, e, f"{point.id} is not recorded ({out / RESULTS_FILE} is as it was) and runs "
+                                     "again: free space, then run the same command again") from e
     except Exception as e:
-        return error_row(point=point.id, baseline=point.baseline.id, experiment=exp.spec.name,
-                         tolerance=exp.spec.tolerance, fingerprint=fp,
-                         **point.params(), ber_at_lambda=point.lam, model=exp.model_of(point.recipe),
-                         steps=exp.steps_of(point.recipe), runtime=runtime or "netns",
-                         injector=train_config(exp, point).injector,
-                         status="error", reason=f"{type(e).__name__}: {e}", steps_completed=0,
-                         finished_at=time.time(), run_dir=f"points/{point.id}")
+        return error_for(exp, point, fp, runtime, e)
     base = out / "points" / point.baseline.id
     row = point_row(exp, point, summary, run_dir, base if base.exists() else None, started)
     row["fingerprint"] = fp
     return {**row, "_line": summary_line(summary)}
+
+
+def error_for(exp: Experiment, point: Point, fp: str, runtime: str | None, e: Exception) -> dict:
+    """The `error` row of a point whose set-up failed."""
+    return error_row(point=point.id, baseline=point.baseline.id, experiment=exp.spec.name,
+                     tolerance=exp.spec.tolerance, fingerprint=fp,
+                     **point.params(), ber_at_lambda=point.lam, model=exp.model_of(point.recipe),
+                     steps=exp.steps_of(point.recipe), runtime=runtime or "netns",
+                     injector=train_config(exp, point).injector,
+                     status="error", reason=f"{type(e).__name__}: {e}", steps_completed=0,
+                     finished_at=time.time(), run_dir=f"points/{point.id}")
 
 
 def run_latency(exp: Experiment, out: Path, runtime: str | None, say) -> None:
