@@ -281,7 +281,7 @@ def sweep_earlier_runs(out: Path, grace_s: float = 30.0) -> list[str]:
     directory under DIR and whose `up` process is gone (namespaces, veths, iptables rules and qdiscs inside
     them, engines, state). Slurm jobs are left alone (a later run collects them) and so are processes with a
     live parent. What was taken down, one line each."""
-    from testbed import clean, procs
+    from testbed import procs, testbeds
     from testbed.state import State, running_names
 
     done: list[str] = []
@@ -315,7 +315,7 @@ def sweep_earlier_runs(out: Path, grace_s: float = 30.0) -> list[str]:
             continue
         where = data.get("results_dir")
         if where and _under(str(where), out) and not procs.alive(data.get("up_pid")):
-            result = clean.teardown(name, save_stats=False)
+            result = testbeds.down(name)
             done.append(f"topology {name} (its `up` pid {data.get('up_pid')} is gone)"
                         + (f": {'; '.join(result['errors'])}" if result.get("errors") else ""))
     return done
