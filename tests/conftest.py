@@ -141,9 +141,45 @@ PRIVILEGED_MODULES = {"test_bench", "test_bpf_engine", "test_docker_runtime", "t
 PRIVILEGED_FIXTURES = {"gloo_captures"}
 
 
+# Tests that `make test-all` runs and `make test` leaves out (marked slow here, beside those marked in their modules):
+# `make test` must stay under 15 minutes on 2 cores from a fresh machine (set-up included). The seconds each took in
+# a fresh-machine run (docs/faults.md, "A fresh machine's first run"); what in make test still covers its part.
+MOVED_TO_TEST_ALL = {
+    "test_faults_runtime.py::test_an_ssh_machine_that_stops_answering_mid_up": 47,  # test_remote.py: timeouts
+    "test_faults_runtime.py::test_a_bpf_engine_whose_filter_is_deleted_mid_point_makes_that_point_invalid_and_the_"
+    "next_ok": 13,  # the NFQUEUE twin stays
+    "test_faults_runtime.py::test_a_host_namespace_deleted_mid_point_fails_no_later_point": 9,
+    "test_slurm.py::test_slurm_rows_equal_the_sequential_run": 42,  # the unprivileged Slurm run stays
+    "test_warm.py::test_process_injector_points_are_the_same_cold_and_warm": 31,  # the wire twin with flips stays
+    "test_warm.py::test_wire_points_at_ber0_are_the_same_cold_and_warm": 26,
+    "test_warm.py::test_a_terminated_or_killed_sweep_resumes_with_every_point_trained": 14,  # test_faults_results
+    "test_cluster.py::test_tiny_ddp_trains_across_two_machines_at_ber_1e5_tensor_scope": 31,
+    "test_cluster.py::test_container_hosts_across_machines": 13,
+    "test_scaling.py::test_a_ladder_with_controls_runs_end_to_end_with_the_process_injector": 26,
+    "test_reproducible.py::test_perturb_controls_at_ber_0_are_reproducible_and_minimal[ddp]": 23,
+    "test_reproducible.py::test_link_seed_run_makes_each_seed_its_own_draw_of_the_link": 11,
+    "test_reproducible.py::test_docker_hosts_give_the_same_flips_and_parameters_at_every_step": 9,
+    "test_training_testbed.py::test_ddp_payload_scope_breaks_gloo_and_is_reported[pair]": 18,
+    "test_training_testbed.py::test_bf16_wire_halves_the_bits_and_the_flips_per_step": 7,  # test_recipes.py: bf16
+    "test_training_testbed.py::test_pp_tensor_scope_completes_at_ber_1e5_on_chains_of_2_and_4": 13,
+    "test_experiments.py::test_sigint_then_rerun_completes_only_missing_points": 17,  # test_faults_results.py
+    "test_experiments.py::test_two_point_experiment_outputs[docker]": 13,  # its netns twin stays
+    "test_faults_results.py::test_sequential_controller_killed_in_a_process_group_resumes_and_stops_its_services": 12,
+    "test_bench.py::test_cli_latency_from_yaml_and_bad_arguments": 12,
+    "test_topology_net.py::test_down_all_after_sigkill_of_up[docker]": 8,  # netns twins stay
+    "test_topology_net.py::test_tcp_crosses_every_link[docker-star8.yaml]": 6,
+    "test_engine_topology.py::test_link_set_changes_ber_mid_transfer[docker]": 7,
+    "test_engine_topology.py::test_dead_engine_is_reported[docker]": 7,
+    "test_train.py::test_prepared_data_is_reused_while_its_files_are_the_same": 10,
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="privileged: needs root (creates namespaces, veths, iptables rules or engines)")
     for item in items:
+        if item.nodeid.split("/", 1)[-1] in MOVED_TO_TEST_ALL:
+            item.add_marker(pytest.mark.slow)
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if module in PRIVILEGED_MODULES or PRIVILEGED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.privileged)
