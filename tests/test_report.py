@@ -53,7 +53,8 @@ def make_row(mode: str, ber: float, seed: int, scope: str = "tensor", checksum: 
                                    "made_progress", "flips_sign", "flips_exponent", "flips_mantissa", "bits_exposed",
                                    "queue_dropped", "user_dropped", "tokens_per_step", "optimizer", "clip", "guard", "sanitize_threshold", "resync_every", "link_seed",
                                    "wire_dtype", "wire_bytes_per_step", "element", "protect", "protected_ber",
-                                   "ber_at_lambda", "perturb"))
+                                   "ber_at_lambda", "perturb", "profile", "delay_s", "frames_dropped",
+                                   "frames_replayed", "codewords_failed"))
     return results.new_row(**{
         "point": point, "baseline": f"{mode}-ber0-{scope}-{checksum}{tag}-s{seed}", "experiment": "quick",
         "tolerance": 0.01,

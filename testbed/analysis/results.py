@@ -167,6 +167,14 @@ FIELDS: tuple[Field, ...] = (
     _f("protect", "str?", "engine: protected fields and bit positions, comma-separated (`sign,exponent`); "
                           "null: none"),
     _f("protected_ber", "float?", "engine: residual error rate of protected bits"),
+    _f("profile", "str?", "the link layer on every link (testbed/linklayer.py: none, rs544, rs544-pass, rs528, "
+                          "rs272, llr): `ber` is then the physical link's pre-FEC BER and realized_ber the delivered "
+                          "one; null: no profile (`ber` is delivered as it is)"),
+    _f("delay_s", "float?", "one-way delay the recipe set on every link direction, s (netem); null: none"),
+    _f("frames_dropped", "int?", "engine counters over the run, summed: frames a profile dropped (a failed "
+                                 "codeword's, marked bad: TCP resends them); null: no engine"),
+    _f("frames_replayed", "int?", "frames with a bit error that a retry profile (llr) had replayed, clean"),
+    _f("codewords_failed", "int?", "a FEC profile's uncorrectable codewords"),
     _f("collectives", "list?", "[str]: what `scope: tensor` corrupted (DDP: allreduce; PP: p2p); null otherwise"),
     _f("machine", "dict", "`uname`, `cpus`, `hostname`, `cpu` (model name), `vector` (widest of avx512f, avx2, "
                           "sse4_2) and `torch` (version) of the machine that ran the point: bit-identical runs need "

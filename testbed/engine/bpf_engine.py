@@ -74,13 +74,18 @@ class BpfEngine(Engine):
         return None
 
     def refusals(self, imp) -> list[tuple[str, str]]:
-        if imp.scope in self.scopes:
-            return []
-        return [("engine", f"engine bpf corrupts scopes {' and '.join(self.scopes)}; scope {imp.scope} needs "
-                           f"engine nfqueue (or auto)")]
+        out = []
+        if imp.scope not in self.scopes:
+            out.append(("engine", f"engine bpf corrupts scopes {' and '.join(self.scopes)}; scope {imp.scope} needs "
+                                  f"engine nfqueue (or auto)"))
+        if imp.error_model.get("type") == "profile":
+            out.append(("engine", "engine bpf has no link profiles (codewords, dropped or replayed frames): "
+                                  "profile needs engine nfqueue (or auto)"))
+        return out
 
     def serves(self, imp, capture: dict | None, peer_netns: str) -> bool:
-        return imp.scope in self.scopes and not capture and not (imp.checksum == "keep" and not peer_netns)
+        return (imp.scope in self.scopes and not capture and not (imp.checksum == "keep" and not peer_netns)
+                and imp.error_model.get("type") != "profile")
 
     def _start_one(self, spec: EngineSpec) -> EngineHandle:
         spec = prepared(spec)

@@ -31,7 +31,7 @@ import numpy as np
 from testbed.engine.config import SETTABLE, EngineSpec
 from testbed.engine.flows import TCP_SYN, FlowState, FlowTable, flow_key_ints
 from testbed.engine.gloo import GlooStreamTracker, collective_codes
-from testbed.engine.models import OffsetKeyedFlips, build_model
+from testbed.engine.models import OffsetKeyedFlips, build_model, profile_action
 from testbed.engine.nfqueue import SKB_CSUMNOTREADY
 from testbed.engine.packet import (
     IPPROTO_TCP,
@@ -44,7 +44,17 @@ from testbed.engine.packet import (
 from testbed.engine.protect import BitLayout, flow_salt, residual_keep
 from testbed.engine.stats import Counters
 
-__all__ = ["Corruptor", "offset_keyed", "uses_gso"]
+__all__ = ["Corruptor", "DROP", "offset_keyed", "uses_gso"]
+
+
+class _Drop:
+    """What ``Corruptor.process`` returns for a packet the link loses (a failed codeword's frame, marked bad)."""
+
+    def __repr__(self) -> str:
+        return "DROP"
+
+
+DROP = _Drop()
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +127,10 @@ class Corruptor:
         return {"element": self.element, "protect": list(self.protect), "protected_ber": self.protected_ber}
 
     def _update_mode(self) -> None:
-        self.offset_keyed = offset_keyed(self.scope, self.checksum)
+        # a link profile that drops or replays frames draws every transmission afresh from the link's model, as a
+        # real link does (a retransmission crosses new codewords), over MTU-sized frames (no GSO)
+        self.action = profile_action(self.error_model)
+        self.offset_keyed = offset_keyed(self.scope, self.checksum) and self.action is None
         self.tracks_streams = self.offset_keyed or self.scope == "tensor"  # TCP stream offsets followed
         self.fix = self.checksum == "fix"
 
@@ -273,6 +286,8 @@ class Corruptor:
         nbits = (b - a) << 3
         c = self.counters
         c.bits_seen += nbits
+        if self.action is not None:
+            return self._frame_action(nbits)
         f = self.link_model.flips(nbits)
         if not f.size:
             return None
@@ -373,6 +388,8 @@ class Corruptor:
         if self._protecting:
             for s, e, o in ranges:
                 c.bits_protected += layout.protected_bits((s - o) << 3, (e - o) << 3)
+        if self.action is not None:
+            return self._frame_action(nbits)
         f = self.link_model.flips(nbits)
         if not f.size:
             return None
@@ -396,6 +413,19 @@ class Corruptor:
             self._count_fields(within, grid, None)
         c.bits_flipped += f.size
         return self._emit(pkt, pay, within + base - (off << 3), IPPROTO_TCP, ihl, total, info)
+
+    def _frame_action(self, nbits: int):
+        """A frame under a profile that drops or replays (``self.action``): drop, when it touches a failed
+        codeword; replay, when it holds a bit error (it arrives again clean: passed unmodified, counted)."""
+        c = self.counters
+        if self.action == "drop":
+            if self.link_model.failures(nbits):
+                c.frames_dropped += 1
+                return DROP
+            return None
+        if self.link_model.flips(nbits).size:
+            c.frames_replayed += 1
+        return None
 
     # -- protected bits and field counters (scope tensor) -------------------------------------------------------
 
@@ -555,6 +585,11 @@ class Corruptor:
     def stats(self) -> dict:
         d = self.counters.to_dict()
         d.update(self.settings())
+        # a FEC profile's codewords (sequential link model and the per-flow ones: pass draws per flow)
+        models = [self.link_model] + [f.okf.model for f in self.flows.values() if f.okf is not None]
+        coded = [m for m in models if hasattr(m, "codewords_failed")]
+        d["codewords"] = sum(m.codewords for m in coded) if coded else None
+        d["codewords_failed"] = sum(m.codewords_failed for m in coded) if coded else None
         d["flows"] = len(self.flows)
         d["gso"] = self.offset_keyed
         if self.capture is not None:

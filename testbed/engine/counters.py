@@ -14,6 +14,9 @@ from typing import Iterable
 COUNTER_FIELDS = ("bits_seen", "bits_flipped", "packets_modified", "flows_desynced", "queue_dropped", "user_dropped")
 # Tensor-scope engines also count flips by field of the value and the unprotected bits they saw.
 FIELD_COUNTERS = ("bits_exposed", "flips_sign", "flips_exponent", "flips_mantissa")
+# Engines under a link profile (testbed/linklayer.py) also count the frames they dropped (a failed codeword's,
+# marked) or had replayed (link-level retry), and a FEC profile's codewords and failed codewords.
+PROFILE_COUNTERS = ("frames_dropped", "frames_replayed", "codewords", "codewords_failed")
 # What `counter_delta` copies as it is from the later snapshot (the settings in force at its end).
 COUNTER_KEPT = ("link", "direction", "alive", "ber", "scope", "checksum")
 # Live-settable engine settings that `links_restored` puts back.

@@ -35,10 +35,12 @@ __all__ = [
     "BitErrorModel",
     "BernoulliModel",
     "GilbertElliottModel",
+    "CodewordModel",
     "OffsetKeyedFlips",
     "FlipRange",
     "make_rng",
     "build_model",
+    "profile_action",
     "validate_error_model",
 ]
 
@@ -356,6 +358,116 @@ class GilbertElliottModel:
                 f"bad_ber={self.bad_ber:g}, good_ber={self.good_ber:g}, position={self.position})")
 
 
+class CodewordModel:
+    """A link layer's FEC over the stream (testbed/linklayer.py): the stream is cut into codewords of k m data
+    bits; each codeword fails (more than t of its n symbols err at the pre-FEC BER) independently, with
+    probability P_cw, so the distance from one failed codeword to the next is Geometric(P_cw) codewords. A failed
+    codeword's errors are drawn when it is reached: j ~ Binomial(n, p_s) given j > t errored symbols among its
+    n (those among the k data symbols are delivered), each with b ~ Binomial(m, p) given b >= 1 wrong bits.
+
+    ``flips(n_bits)``: the wrong data bits of failed codewords (what a decoder that passes them on delivers:
+    profile ``rs544-pass``); ``failures(n_bits)``: how many failed codewords the next n_bits touch (a decoder
+    that marks them makes every frame they touch be dropped: ``rs544``). Both advance the stream, as ``skip``
+    does. ``codewords_failed`` counts the failed codewords reached; ``codewords`` the codewords begun."""
+
+    __slots__ = ("profile", "_rng", "_ber", "position", "_pf", "_next", "_pattern", "_j", "_b", "codewords_failed",
+                 "_counted")
+
+    def __init__(self, ber: float, profile, seed: int = 0, *, rng: np.random.Generator | None = None):
+        self.profile = profile
+        self._rng = rng if rng is not None else make_rng(seed)
+        self.position = 0
+        self.codewords_failed = 0
+        self._counted = -1  # the last failed codeword counted
+        self.set_ber(ber)
+
+    @property
+    def ber(self) -> float:
+        return self._ber
+
+    @property
+    def codewords(self) -> int:
+        return -(-self.position // self.profile.data_bits)
+
+    def set_ber(self, ber: float) -> None:
+        """New pre-FEC BER from the codeword the stream is in on (it and later ones are drawn afresh)."""
+        from testbed import linklayer
+
+        self._ber = _check_probability("ber", ber)
+        prof = self.profile
+        self._pf = linklayer.codeword_failure_probability(prof, self._ber) if self._ber > 0 else 0.0
+        if self._pf > 0:
+            js = linklayer.failed_symbol_count_pmf(prof, self._ber)
+            bs = linklayer.symbol_bit_errors_pmf(self._ber, prof.m)
+            self._j = (np.array([j for j, _ in js]), np.array([w for _, w in js]))
+            self._b = (np.array([b for b, _ in bs]), np.array([w for _, w in bs]))
+        self._pattern = None
+        self._next = self._draw_after(self.position // prof.data_bits - 1)
+
+    def _draw_after(self, cw: int) -> int:
+        """The index of the next failed codeword after codeword `cw`."""
+        pf = self._pf
+        if pf <= 0:
+            return _NEVER
+        if pf >= 1:
+            return cw + 1
+        gap = math.ceil(math.log1p(-self._rng.random()) / math.log1p(-pf)) if pf < 1e-12 else \
+            int(self._rng.geometric(pf))
+        return min(_NEVER, cw + max(1, gap))
+
+    def _errors_of(self, cw: int) -> np.ndarray:
+        """Stream positions of the wrong data bits of failed codeword `cw` (drawn once)."""
+        if self._pattern is not None and self._pattern[0] == cw:
+            return self._pattern[1]
+        prof, rng = self.profile, self._rng
+        j = int(rng.choice(self._j[0], p=self._j[1]))
+        symbols = rng.choice(prof.n, size=j, replace=False)
+        symbols = np.sort(symbols[symbols < prof.k])  # parity symbols are not handed up
+        bits = []
+        for s in symbols:
+            b = int(rng.choice(self._b[0], p=self._b[1]))
+            bits.append(cw * prof.data_bits + int(s) * prof.m + np.sort(rng.choice(prof.m, size=b, replace=False)))
+        pos = np.concatenate(bits).astype(np.int64) if bits else EMPTY
+        self._pattern = (cw, pos)
+        return pos
+
+    def _advance(self, end: int, want_flips: bool):
+        """Consume the stream up to `end`: (flips in [position, end) relative to position, failed codewords
+        touched)."""
+        start, d = self.position, self.profile.data_bits
+        out, touched = [], 0
+        while self._next < _NEVER and self._next * d < end:
+            cw = self._next
+            if (cw + 1) * d > start:  # the failed codeword overlaps this request
+                touched += 1
+                if cw != self._counted:
+                    self.codewords_failed += 1
+                    self._counted = cw
+                if want_flips:
+                    e = self._errors_of(cw)
+                    e = e[(e >= start) & (e < end)]
+                    if e.size:
+                        out.append(e - start)
+            if (cw + 1) * d > end:  # it goes on past this request: keep it for the next
+                break
+            self._next = self._draw_after(cw)
+        self.position = end
+        flips = (out[0] if len(out) == 1 else np.concatenate(out)) if out else EMPTY
+        return flips, touched
+
+    def flips(self, n_bits: int) -> np.ndarray:
+        return self._advance(self.position + n_bits, True)[0]
+
+    def failures(self, n_bits: int) -> int:
+        return self._advance(self.position + n_bits, False)[1]
+
+    def skip(self, n_bits: int) -> None:
+        self._advance(self.position + n_bits, False)
+
+    def __repr__(self) -> str:
+        return f"CodewordModel({self.profile.name}, ber={self._ber:g}, position={self.position})"
+
+
 def validate_error_model(error_model: dict | None, ber: float) -> dict:
     """Normalize an ``error_model`` config dict (docs/engine.md, "Error models"); raise ValueError if
     invalid."""
@@ -377,17 +489,45 @@ def validate_error_model(error_model: dict | None, ber: float) -> dict:
         em["bad_ber"] = float(em.get("bad_ber", 0.5) if em.get("bad_ber") is not None else 0.5)
         em["good_ber"] = float(em.get("good_ber", 0.0) if em.get("good_ber") is not None else 0.0)
         GilbertElliottModel._validate(ber, em["burst_length"], em["bad_ber"], em["good_ber"])
+    elif kind == "profile":
+        from testbed import linklayer
+
+        unknown = set(em) - {"type", "profile"}
+        if unknown:
+            raise ValueError(f"unknown profile error model parameters {sorted(unknown)}")
+        linklayer.profile(em.get("profile"))  # a ValueError naming the known ones
+        _check_probability("pre-FEC ber", ber)
     else:
-        raise ValueError(f"unknown error model type {kind!r} (bernoulli, gilbert_elliott)")
+        raise ValueError(f"unknown error model type {kind!r} (bernoulli, gilbert_elliott, profile)")
     return em
 
 
-def build_model(error_model: dict | None, ber: float, seed: int, *key: int) -> BernoulliModel | GilbertElliottModel:
-    """The model an ``error_model`` config dict describes, seeded by (seed, *key)."""
+def profile_action(error_model: dict | None) -> str | None:
+    """What the engine does with a packet that holds drawn errors, beyond flipping them: "drop" (a failed
+    codeword's frames, FEC with error marking), "replay" (a frame with a bit error is resent clean: link-level
+    retry), None (deliver the flips: no profile, raw, or FEC that passes its failures on)."""
+    if not error_model or error_model.get("type") != "profile":
+        return None
+    from testbed import linklayer
+
+    prof = linklayer.profile(error_model["profile"])
+    if prof.kind == "retry":
+        return "replay"
+    return "drop" if prof.kind == "fec" and prof.on_failure == "drop" else None
+
+
+def build_model(error_model: dict | None, ber: float, seed: int, *key: int):
+    """The model an ``error_model`` config dict describes, seeded by (seed, *key): Bernoulli, Gilbert-Elliott,
+    or a link profile's (a CodewordModel for FEC, Bernoulli at the pre-FEC BER for raw and retry)."""
     em = validate_error_model(error_model, ber)
     rng = make_rng(seed, *key)
     if em["type"] == "bernoulli":
         return BernoulliModel(ber, rng=rng)
+    if em["type"] == "profile":
+        from testbed import linklayer
+
+        prof = linklayer.profile(em["profile"])
+        return CodewordModel(ber, prof, rng=rng) if prof.kind == "fec" else BernoulliModel(ber, rng=rng)
     return GilbertElliottModel(ber, em["burst_length"], em["bad_ber"], em["good_ber"], rng=rng)
 
 

@@ -18,8 +18,8 @@ import traceback
 from testbed.engine.capture import CaptureWriter
 from testbed.engine.config import EngineSpec
 from testbed.engine.control import ControlServer
-from testbed.engine.corruptor import Corruptor
-from testbed.engine.nfqueue import NfQueue
+from testbed.engine.corruptor import DROP, Corruptor
+from testbed.engine.nfqueue import NF_DROP, NfQueue
 from testbed.engine.stats import write_json_atomic
 
 __all__ = ["Engine"]
@@ -143,6 +143,8 @@ class Engine:
                     log.error("packet processing failed (passed unmodified):\n%s", traceback.format_exc())
             if out is None:
                 q.accept_upto(pid)
+            elif out is DROP:
+                q.verdict(pid, None, NF_DROP)
             else:
                 q.verdict(pid, out)
             if not n % _BATCH:

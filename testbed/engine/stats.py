@@ -31,6 +31,7 @@ class Counters:
         "packets_unparsed", "packets_truncated", "packets_errors", "flows_excluded", "flows_desynced",
         "flows_midstream", "retransmitted_bits", "retransmitted_flips", "forgotten_bits",
         "bits_protected", "flips_protected", "flips_corrected", "flips_sign", "flips_exponent", "flips_mantissa",
+        "frames_dropped", "frames_replayed",
     )
 
     def __init__(self, ber: float, protection: dict | None = None):

@@ -382,7 +382,8 @@ def point_row(exp: Experiment, point: Point, summary: dict, run_dir: Path, basel
         wire_dtype=cfg_field(summary, "wire_dtype"),
         wire_bytes_per_step=_finite(summary.get("wire_bytes_per_step")),
         element=link.get("element"), protect=",".join(map(str, link["protect"])) if link.get("protect") else None,
-        protected_ber=link.get("protected_ber"),
+        protected_ber=link.get("protected_ber"), profile=link.get("profile"), delay_s=link.get("delay"),
+        **{k: engine_total(summary, k) for k in ("frames_dropped", "frames_replayed", "codewords_failed")},
         collectives=(train_config(exp, point).collectives or DEFAULT_COLLECTIVES[point.mode])
         if point.scope == "tensor" else None,
         machine=dict(this_machine()),

@@ -38,6 +38,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
+from testbed.linklayer import PROFILE_NAMES
 from testbed.topology import units
 from testbed.topology.topo import Topology, TopologyError
 from testbed.train import settings
@@ -121,10 +122,14 @@ class LatencySpec(_Strict):
 
 class LinkSpec(_Strict):
     """A recipe's link settings (engine, scope tensor), applied to every link of the point's topology like the
-    BER. element defaults to the recipe's wire_dtype; a clean point (BER 0) gets no residual errors either."""
+    BER. element defaults to the recipe's wire_dtype; a clean point (BER 0) gets no residual errors either.
+    `profile`: a link layer (testbed/linklayer.py) on every link; the grid's BERs are then pre-FEC BERs."""
     element: Literal[ELEMENT_TYPES] | None = None
     protect: list[Literal[PROTECT_FIELDS] | Annotated[int, Field(ge=0, le=31)]] | None = None
     protected_ber: Ber | None = None
+    profile: Literal[PROFILE_NAMES] | None = None  # type: ignore[valid-type]
+    # one-way delay on every link direction (netem: where the kernel has it; docs/theory.md, "Link layers")
+    delay: Annotated[float | None, BeforeValidator(lambda x: None if x is None else units.parse_duration(x))] = None
 
 
 class RecipeSpec(_Strict):
@@ -350,7 +355,7 @@ class Experiment:
                     except ValueError as e:
                         problems.append((f"grid.ber_at_lambda[{i}]", f"recipe {name}, {mode}: {e}"))
             link = self.recipe(name).link
-            if link.model_dump(exclude_none=True) and set(spec.grid.scope) != {"tensor"}:
+            if link.model_dump(exclude_none=True, exclude={"profile", "delay"}) and set(spec.grid.scope) != {"tensor"}:
                 problems.append((f"recipes.{name}.link", "element, protect and protected_ber need scope tensor "
                                                           f"(the grid also runs scope {', '.join(spec.grid.scope)})"))
             merged = {**spec.train.model_dump(), **self.recipe(name).train.model_dump(exclude_unset=True)}

@@ -19,7 +19,7 @@ from pathlib import Path
 from testbed import testbeds
 from testbed.base import BaseTestbed
 from testbed.locate.launcher import monitoring
-from testbed.engine.counters import COUNTER_FIELDS, FIELD_COUNTERS
+from testbed.engine.counters import COUNTER_FIELDS, FIELD_COUNTERS, PROFILE_COUNTERS
 from testbed.net import MGMT_IFNAME
 from testbed.state import write_json_atomic
 from testbed.topology.topo import Topology
@@ -91,7 +91,7 @@ def _rank_env(tb, hosts: list[str], port=None):
 def _finish(tb, summary: dict, before: dict, hosts: list[str], started: float, cfg: TrainSettings) -> None:
     """The engines' part of a run's summary, the failure taxonomy, and fail-closed on a dead engine."""
     topo = tb.topo
-    engines = list(tb.counters_since(before, fields=COUNTER_FIELDS + FIELD_COUNTERS).values())
+    engines = list(tb.counters_since(before, fields=COUNTER_FIELDS + FIELD_COUNTERS + PROFILE_COUNTERS).values())
     seen = sum(e["bits_seen"] for e in engines)
     flipped = sum(e["bits_flipped"] for e in engines)
     blame_the_wire(summary, flipped)
@@ -149,18 +149,26 @@ DEFAULT_COLLECTIVES = {"ddp": ["allreduce"], "pp": ["p2p"]}
 def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber: float | None = None,
           scope: str | None = None, checksum: str | None = None, collectives: list[str] | None = None,
           protect: list[str | int] | None = None, element: str | None = None, protected_ber: float | None = None,
-          runtime: str | None = None, name: str | None = None, machines=None, log=print, warm=None) -> dict:
+          profile: str | None = None, delay: float | None = None, runtime: str | None = None,
+          name: str | None = None, machines=None, log=print, warm=None) -> dict:
     """Train on a topology: a Topology (brought up for the run, then down; across the machines of the inventory
     `machines` if given) or the name of one that is up (corruption overrides are applied live with `link
     set`). `collectives` defaults to cfg.collectives. `warm` (a warm.WarmSweep): run a Topology's point on
-    the sweep's topology and worker services that stay up (not across machines)."""
+    the sweep's topology and worker services that stay up (not across machines). `profile`: a link layer on
+    every link (testbed/linklayer.py), `ber` then the pre-FEC BER; `delay` (s): one-way delay on every link
+    direction (netem, on a topology brought up for the run)."""
     collectives = collectives if collectives is not None else cfg.collectives
     if scope == "tensor" and collectives is None:
         collectives = DEFAULT_COLLECTIVES[cfg.mode]
         if cfg.monitor and "p2p" not in collectives:  # the monitor's probes are p2p: corrupt them like training
             collectives = [*collectives, "p2p"]
     overrides = {"ber": ber, "scope": scope, "checksum": checksum, "collectives": collectives,
-                 "protect": protect, "element": element, "protected_ber": protected_ber}
+                 "protect": protect, "element": element, "protected_ber": protected_ber, "profile": profile,
+                 "delay": None if delay is None else f"{delay * 1e9:.6g}ns"}
+    if delay is not None and (cfg.injector == "process" or isinstance(topology, str)):
+        raise ValueError("delay is set on the links of a topology brought up for the run (netem): "
+                         + ("injector process has no links" if cfg.injector == "process" else
+                            f"topology {topology!r} is up already; give its file"))
     if cfg.injector == "process":  # no topology brought up: the error models run inside the workers
         if machines is not None:
             raise ValueError("injector process runs its workers on this machine: --machines does not apply")
@@ -172,6 +180,8 @@ def train(topology: Topology | str, cfg: TrainSettings, out: str | Path, *, ber:
         tb = testbeds.attach(topology)
         try:
             settings = {k: v for k, v in overrides.items() if v is not None}
+            if settings.get("profile") is not None:  # what the engines take: the profile as their error model
+                settings["error_model"] = {"type": "profile", "profile": settings.pop("profile")}
             if settings:
                 for link in tb.topo.links:
                     tb.set_link(link.name, **settings)

@@ -156,7 +156,10 @@ class WarmSweep:
         """A wire point on the group's topology (brought up for the first point of a group)."""
         hosts = worker_hosts(topo, cfg)
         try:
-            if self._switch(("wire", topo.file or topo.name, runtime, cfg.mode, tuple(hosts))):
+            # what cannot change live (a link's rate, delay, jitter, loss: tc set when the topology comes up)
+            shaping = tuple((link.name, d, imp.rate_bps, imp.delay_s, imp.jitter_s, imp.loss)
+                            for link in topo.links for d, _, _, imp in link.directions())
+            if self._switch(("wire", topo.file or topo.name, runtime, cfg.mode, tuple(hosts), shaping)):
                 d = self.dir / f"{next(self.groups)}-{topo.name}"
                 d.mkdir(parents=True, exist_ok=True)  # the services' logs end here (from a container's shared dir)
                 self.tb = testbeds.create(topo, None, runtime=runtime, results_dir=d, log=log).up()

@@ -743,6 +743,36 @@ def plot_detection_vs_ber(rows: list[dict], path) -> Path | None:
     return save_figure(fig, path)
 
 
+def plot_wall_to_target(table: list[dict], path) -> Path | None:
+    """Wall time to the target loss against pre-FEC BER, one line per link profile, one panel per (model, mode)
+    (testbed/analysis/timetotarget.decision_table entries): modelled where a slope was measured (solid), measured
+    (dashed) otherwise; a profile whose seeds did not all reach the target has no point there."""
+    panels = sorted({(e["model"], e["mode"]) for e in table}, key=str)
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels))
+    palette = colormaps["tab10"].colors
+    profiles = list(dict.fromkeys(e["profile"] for e in table))
+    drew = False
+    for ax, (model, mode) in zip(axes, panels):
+        for i, prof in enumerate(profiles):
+            pts = sorted((e["pre_fec_ber"], e["wall_modelled_s"], e["wall_measured_s"]) for e in table
+                         if (e["model"], e["mode"], e["profile"]) == (model, mode, prof) and e["pre_fec_ber"] > 0)
+            for col, style in ((1, "-"), (2, "--")):
+                xy = [(b, v[col - 1]) for b, *v in pts if v[col - 1] is not None]
+                if xy:
+                    ax.plot(*zip(*xy), style, marker="o", color=palette[i % len(palette)],
+                            label=f"{prof} ({'modelled' if col == 1 else 'measured'})")
+                    drew = True
+        ax.set_xscale("log")
+        ax.set_xlabel("pre-FEC BER")
+        ax.set_ylabel("wall time to target (s)")
+        ax.set_title(f"{model}, {mode_name(mode)}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    return save_figure(fig, path) if drew else None
+
+
 def plot_or_sentence(draw, data, out_dir, file: str, title: str, empty: str) -> str:
     """report.md's line for a plot a section draws itself: its image, or a sentence saying why it is not there
     (`empty`: why `draw` drew nothing). A plot that raises does not lose the report of a long run."""

@@ -29,6 +29,7 @@ from testbed.fileio import read_jsonl, write_atomic
 from testbed.locate.scores import locate_section
 from testbed.report import plots
 from testbed.analysis import theory
+from testbed.report.linklayer import linklayer_section
 from testbed.report.calibration import calibration_section
 from testbed.report.scaling import ladder_headline, scaling_section, size_threshold_section
 from testbed.analysis.analysis import (BOUND_LEVEL, LATENCY_STATS, PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES,
@@ -994,6 +995,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     md += coverage_lines(missing or {}, rows)
     # experiments with monitored points (docs/locate.md): their detection table and plot lead; [] otherwise
     md += locate_section(rows, _locate_plot_line(rows, out_dir))
+    md += linklayer_section(rows, out_dir)  # rows with link profiles (experiments/linklayer.yaml); [] otherwise
     if faults:
         md += ["One link per faulty point carries its BER, so the theory's predictions (weight deviation, lost "
                "steps: every link at the point's BER) do not apply and their sections are left out.", ""]

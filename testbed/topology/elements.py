@@ -51,7 +51,7 @@ class LinkImpairment:
             parts.append(f"loss {self.loss * 100:g}%")
         if self.ber is not None:
             model = self.error_model.get("type", "bernoulli")
-            extra = "" if model == "bernoulli" else f" {model}(burst {self.error_model.get('burst_length')})"
+            extra = "" if model in ("bernoulli", "profile") else f" {model}(burst {self.error_model.get('burst_length')})"
             coll = f" [{','.join(self.collectives)}]" if self.collectives else ""
             prot = ""
             if self.protect:
@@ -61,7 +61,9 @@ class LinkImpairment:
             from testbed.engine.registry import describe_engine
 
             eng = describe_engine(self.engine)
-            parts.append(f"ber {self.ber:g}{extra} {self.scope}/{self.checksum}{coll}{prot} seed {self.seed}{eng}")
+            what = (f"profile {self.error_model['profile']} at pre-FEC ber {self.ber:g}" if model == "profile"
+                    else f"ber {self.ber:g}{extra}")
+            parts.append(f"{what} {self.scope}/{self.checksum}{coll}{prot} seed {self.seed}{eng}")
         return ", ".join(parts) or "-"
 
     def to_dict(self) -> dict:

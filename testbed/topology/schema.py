@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from testbed.topology import units
+from testbed.linklayer import PROFILE_NAMES
 from testbed.vocab import CHECKSUM_MODES, ELEMENT_TYPES, ENGINE_CHOICES, ERROR_MODELS, PROTECT_FIELDS, SCOPES
 
 TOPOLOGY_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,23}$")
@@ -99,6 +100,10 @@ class ImpairmentSpec(_Strict):
     # which corruption engine: the NFQUEUE process (default), the in-kernel tc program (scopes payload and all),
     # or auto (bpf for payload/all where it loads, nfqueue otherwise); docs/engine.md, "The bpf engine"
     engine: Literal[ENGINE_CHOICES] | None = None  # type: ignore[valid-type]
+    # a link layer (testbed/linklayer.py: none, rs544, rs544-pass, rs528, rs272, llr) over the physical link's
+    # pre-FEC BER, instead of `ber` (docs/theory.md, "Link layers")
+    profile: Literal[PROFILE_NAMES] | None = None  # type: ignore[valid-type]
+    pre_fec_ber: Ber = None
 
 
 class OffloadSpec(_Strict):

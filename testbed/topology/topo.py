@@ -89,13 +89,22 @@ class Topology:
         if runtime:
             raw["runtime"] = runtime
         settings = {k: v for k, v in impairment.items() if v is not None}
+        cleared = set(settings)
+        if settings.get("profile") is not None:  # a link layer: the BER given is the pre-FEC BER
+            if "ber" in settings:
+                settings["pre_fec_ber"] = settings.pop("ber")
+            cleared |= {"ber", "error_model", "pre_fec_ber"}
+        elif "ber" in settings:  # a plain BER replaces a profile the file may give
+            cleared |= {"profile", "pre_fec_ber"}
         if settings:
             for link, resolved in zip(raw.get("topology", {}).get("links", []) or [], self.links):
                 if self.nodes[resolved.a.node].kind == self.nodes[resolved.b.node].kind == "switch":
                     continue  # corruption runs in host namespaces; bridges between switches carry none
+                for k in cleared:
+                    link.pop(k, None)
                 link.update(settings)
                 for d in (link.get("directions") or {}).values():
-                    for k in settings:
+                    for k in cleared:
                         d.pop(k, None)
         return Topology.from_dict(raw, file=self.file)
 
@@ -160,9 +169,13 @@ def _impairment(d: dict, seed: int) -> LinkImpairment:
     if not isinstance(em, dict):
         em = em.model_dump()
     em = {k: v for k, v in em.items() if v is not None}
+    ber = d.get("ber")
+    if d.get("profile") is not None and ber is None and d.get("error_model") is None:
+        # a link layer over the pre-FEC BER: the engine draws at that BER and applies the profile (its model)
+        ber, em = d.get("pre_fec_ber"), {"type": "profile", "profile": d["profile"]}
     return LinkImpairment(
         rate_bps=d.get("rate"), delay_s=d.get("delay"), jitter_s=d.get("jitter"), loss=d.get("loss"),
-        ber=d.get("ber"), error_model=em, scope=d.get("scope") or "payload", checksum=d.get("checksum") or "fix",
+        ber=ber, error_model=em, scope=d.get("scope") or "payload", checksum=d.get("checksum") or "fix",
         seed=d["seed"] if d.get("seed") is not None else seed,
         collectives=tuple(d["collectives"]) if d.get("collectives") else None,
         element=d.get("element") or "fp32", protect=tuple(d["protect"]) if d.get("protect") else None,
@@ -247,6 +260,7 @@ def _resolve(spec: TopologyFile, raw: dict, file: str | None, problems: list) ->
             merged = _merge(lm, dspec)
             imp = _impairment(merged, base_seed + k)
             dp = f"{p}.directions.{dname}" if dspec is not None else p
+            _check_profile(merged, dp, problems)
             _check_impairment(imp, dp, problems)
             if both_switches and imp.corrupts:
                 problems.append((dp, "corruption runs in a host's namespace; a link between two switches cannot carry "
@@ -281,6 +295,25 @@ def _derive_seed(seed: int, link_name: str) -> int:
     return h
 
 
+def _check_profile(d: dict, p: str, problems: list) -> None:
+    """`profile` takes `pre_fec_ber` (the physical link's BER before the link layer), never `ber` (what is
+    delivered follows from the profile) nor `error_model` (a profile's errors are its own)."""
+    prof, pre = d.get("profile"), d.get("pre_fec_ber")
+    if prof is None:
+        if pre is not None:
+            problems.append((f"{p}.pre_fec_ber", "pre_fec_ber needs a profile (none, rs544, rs544-pass, rs528, "
+                                                 "rs272, llr); without one, give ber"))
+        return
+    if d.get("ber") is not None:
+        problems.append((f"{p}.ber", f"profile {prof} takes pre_fec_ber (the physical link's BER), not ber"))
+    elif pre is None:
+        problems.append((f"{p}.pre_fec_ber", f"profile {prof} needs pre_fec_ber (the physical link's BER before "
+                                             f"the link layer)"))
+    if d.get("error_model") is not None:
+        problems.append((f"{p}.error_model", f"profile {prof} draws its own errors (independent bits at the "
+                                             f"pre-FEC BER, then the code): no error_model"))
+
+
 def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
     if imp.jitter_s and not imp.delay_s:
         problems.append((f"{p}.jitter", "jitter needs a delay"))
@@ -296,7 +329,7 @@ def _check_impairment(imp: LinkImpairment, p: str, problems: list) -> None:
         except ValueError as e:
             field = "error_model.burst_length" if "burst_length" in str(e) else "error_model"
             problems.append((f"{p}.{field}", str(e)))
-    elif em.get("type", "bernoulli") != "bernoulli":
+    elif em.get("type", "bernoulli") not in ("bernoulli", "profile"):  # (a profile without pre_fec_ber: said)
         problems.append((f"{p}.error_model", "an error model needs a 'ber'"))
     if imp.collectives and imp.scope != "tensor":
         problems.append((f"{p}.collectives", "collectives filters apply to scope: tensor only"))

@@ -329,6 +329,10 @@ def hop_settings(topo, hosts, mode):
             if imp.checksum != "fix":
                 raise ValueError(f"injector process models delivered errors (checksum fix); link {name} has "
                                  f"checksum {imp.checksum}")
+            if imp.error_model.get("type") == "profile":
+                raise ValueError(f"injector process has no link profiles (codewords, dropped or replayed frames); "
+                                 f"link {name} has profile {imp.error_model['profile']}: run it on the wire "
+                                 f"(injector wire)")
         out.append({"src": src, "dst": dst, "link": name, "direction": f"{key[0]}->{key[1]}",
                     "ber": imp.ber or 0.0, "error_model": imp.error_model, "seed": imp.seed,
                     "element": imp.element, "protect": list(imp.protect) if imp.protect else None,
