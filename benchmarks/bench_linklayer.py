@@ -31,12 +31,15 @@ from testbed.engine.manager import engine_stats, start_engine, stop_engine  # no
 
 ALPHA = 1e-3
 MSS_BITS = 1448 * 8
+# Three pre-FEC BERs per profile across its cliff, where TCP still delivers (a dropping profile loses up to ~35 % of
+# 1448-byte frames here; beyond, the transfer stalls in TCP's backoff: at 2.5e-3 rs544 drops ~65 % of frames and
+# 40 MiB did not arrive within 300 s)
 CASES = {
     "none": (1e-6, 1e-5, 1e-4),
-    "rs544": (1.5e-3, 2e-3, 2.5e-3),
+    "rs544": (1.5e-3, 2e-3, 2.2e-3),
     "rs544-pass": (1.5e-3, 2e-3, 2.5e-3),
-    "rs528": (5e-4, 7e-4, 1e-3),
-    "rs272": (1e-3, 1.5e-3, 2e-3),
+    "rs528": (4e-4, 6e-4, 8e-4),
+    "rs272": (1e-3, 1.3e-3, 1.5e-3),
     "llr": (1e-6, 1e-5, 3e-5),
 }
 

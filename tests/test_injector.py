@@ -356,3 +356,14 @@ def test_small_calibration_against_the_wire(tmp_path):
     assert c["flips"]["p"] > 1e-4, c
     report = write_report(tmp_path / "out").read_text()
     assert "## Calibration: the process injector against the wire" in report and "| agree |" in report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
+def test_an_experiment_that_needs_cuda_is_refused_before_any_point_where_there_is_none(tmp_path):
+    """experiments/cuda.yaml (GPT-2 124M on a GPU) on a machine without CUDA: exit 3 naming the file and why,
+    nothing written (each point would otherwise end in an error row)."""
+    r = subprocess.run([sys.executable, "-m", "testbed", "run", os.path.join(ROOT, "experiments", "cuda.yaml"),
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 3, r.stderr
+    assert "cuda.yaml: --device cuda: no CUDA device is available here" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -75,6 +75,18 @@ def cmd_run(args) -> int:
     if args.jobs < 1:
         print(f"testbed run: -j {args.jobs}: give 1 or more points at once", file=sys.stderr)
         return 2
+    import fnmatch
+
+    chosen = [p for p in exp.points() if not recipes or any(fnmatch.fnmatchcase(p.recipe, r) for r in recipes)]
+    if args.executor == "local" and any(exp.train_settings(p).device == "cuda" for p in chosen):
+        # refused before any point runs (each would end in an error row); a Slurm job's node may have a GPU
+        from testbed.train.inject import resolve_device
+
+        try:
+            resolve_device("cuda")
+        except RuntimeError as e:
+            print(f"testbed run: {args.experiment}: {e}", file=sys.stderr)
+            return 3
     try:
         resources = resources_of(exp, args)
         if args.executor == "slurm" or args.jobs > 1:
