@@ -13,6 +13,7 @@ import threading
 
 from testbed import __version__
 from testbed.errors import EXIT_CAPABILITY, EXIT_FAIL, EXIT_INPUT, CliError  # noqa: F401 (re-exported)
+from testbed.linklayer import PROFILE_NAMES
 from testbed.vocab import CHECKSUM_MODES, ELEMENT_TYPES, ERROR_MODELS, SCOPES
 
 
@@ -211,9 +212,21 @@ def cmd_link_set(args) -> int:
         settings["protect"] = [p.strip() for p in args.protect.split(",") if p.strip()]
     if args.error_model:
         settings["error_model"] = _error_model_arg(args)
+    if args.profile is not None or args.pre_fec_ber is not None:
+        if args.profile is None or args.pre_fec_ber is None:
+            raise CliError("--profile and --pre-fec-ber go together (the link layer and the physical link's BER "
+                           "before it)", EXIT_INPUT)
+        if args.ber is not None or args.error_model:
+            raise CliError(f"--profile {args.profile} takes --pre-fec-ber, not --ber or --error-model (what is "
+                           "delivered follows from the profile)", EXIT_INPUT)
+        try:
+            settings["ber"] = parse_probability(args.pre_fec_ber, upper=0.5)
+        except ValueError as e:
+            raise CliError(f"--pre-fec-ber: {e}", EXIT_INPUT) from None
+        settings["error_model"] = {"type": "profile", "profile": args.profile}
     if not settings:
-        raise CliError("nothing to change: give --ber, --scope, --checksum, --seed, --error-model, --element, "
-                       "--protect or --protected-ber", EXIT_INPUT)
+        raise CliError("nothing to change: give --ber, --scope, --checksum, --seed, --error-model, --profile, "
+                       "--element, --protect or --protected-ber", EXIT_INPUT)
     tb = _attach(args.topo)
     try:
         changed = tb.set_link(args.link, args.direction, **settings)
@@ -408,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--checksum", choices=CHECKSUM_MODES)
     ls.add_argument("--seed", type=number(int, ge=0, lt=2**63), help="seed of the corruption (0 to 2**63 - 1)")
     ls.add_argument("--error-model", choices=ERROR_MODELS)
+    ls.add_argument("--profile", choices=PROFILE_NAMES,
+                    help="a link layer (docs/theory.md, section 6): none, rs544, rs544-pass, rs528, rs272, llr; with "
+                         "--pre-fec-ber (the physical link's BER), instead of --ber and --error-model")
+    ls.add_argument("--pre-fec-ber", metavar="BER", help="--profile: the physical link's BER before the link layer")
     ls.add_argument("--burst-length", type=number(float, ge=1), help="gilbert_elliott mean burst length in bits")
     ls.add_argument("--bad-ber", type=number(float, ge=0, le=1), default=0.5,
                     help="gilbert_elliott BER in the bad state (default 0.5)")
