@@ -61,6 +61,20 @@ def engine_processes(prefix: str) -> list[int]:
     return found
 
 
+def sweep_prefix(exp: Experiment) -> str:
+    """The name prefix of the topologies a warm sweep of `exp` brings up (runner: name[:8] + pid)."""
+    return f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
+
+
+def the_sweeps_topology(prefix: str) -> str:
+    """The one topology up whose name starts with `prefix` (the sweep's, while a point trains)."""
+    from testbed.state import running_names
+
+    names = [n for n in running_names() if n.startswith(prefix)]
+    assert len(names) == 1, names
+    return names[0]
+
+
 def when_training(run_dir: Path, steps: int, act, done: threading.Event, acted: list, limit_s: float = 120):
     """A thread that calls act() once rank 1 of the point in `run_dir` has logged `steps` steps."""
 
@@ -97,7 +111,7 @@ def test_an_nfqueue_engine_killed_mid_point_makes_that_point_invalid_and_the_nex
     `invalid` naming the dead engine, and the next point (warm: the sweep brings a fresh topology up) is ok."""
     exp = experiment(tmp_path, "fnfq", TOPOLOGIES / "pair.yaml",
                      "mode: [ddp], ber: [1e-6], seed: [1, 2], scope: [tensor], checksum: [fix]", steps=40)
-    prefix = f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
+    prefix = sweep_prefix(exp)
     victim = "ddp-ber1e-6-tensor-fix-s1"
 
     def kill():
@@ -138,19 +152,15 @@ def test_a_bpf_engine_whose_filter_is_deleted_mid_point_makes_that_point_invalid
 
     exp = experiment(tmp_path, "fbpf", bpf_pair(tmp_path),
                      "mode: [ddp], ber: [1e-9], seed: [1, 2], scope: [payload], checksum: [fix]", steps=40)
-    prefix = f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
+    prefix = sweep_prefix(exp)
     victim = "ddp-ber1e-9-payload-fix-s1"
 
     def delete_filters():
         from testbed import nsutil
-        from testbed.state import running_names
-
-        names = [n for n in running_names() if n.startswith(prefix)]
-        assert len(names) == 1, names
-        deleted = 0
         from testbed.engine.bpf.engine import PREF
 
-        for h in State.load(names[0]).data["engines"].values():
+        deleted = 0
+        for h in State.load(the_sweeps_topology(prefix)).data["engines"].values():
             att = json.loads(Path(h["handle"]["bpf"]["sidecar"]).read_text())["attach"]  # where it is attached now
             assert att, h
             nsutil.nsexec(att["netns"], ["tc", "filter", "del", "dev", att["iface"], att["hook"], "pref", str(PREF)])
@@ -210,16 +220,13 @@ def test_a_host_namespace_deleted_mid_point_fails_no_later_point(tmp_path):
     broken topology and give every later point a fresh one: the next point is ok and nothing is left."""
     exp = experiment(tmp_path, "fnsp", TOPOLOGIES / "pair.yaml",
                      "mode: [ddp], ber: [1e-6], seed: [1, 2], scope: [tensor], checksum: [fix]", steps=40)
-    prefix = f"{exp.spec.name[:8]}{os.getpid() % 10000}-"
+    prefix = sweep_prefix(exp)
     victim = "ddp-ber1e-6-tensor-fix-s1"
 
     def delete_h2():
-        from testbed.state import running_names
-
-        names = [n for n in running_names() if n.startswith(prefix)]
-        assert len(names) == 1, names
-        subprocess.run(["ip", "netns", "delete", f"tb.{names[0]}.h2"], check=True)
-        return names[0]
+        name = the_sweeps_topology(prefix)
+        subprocess.run(["ip", "netns", "delete", f"tb.{name}.h2"], check=True)
+        return name
 
     rows, _ = sweep_with_a_fault(tmp_path, exp, victim, delete_h2)
     hit, nxt = rows[victim], rows["ddp-ber1e-6-tensor-fix-s2"]

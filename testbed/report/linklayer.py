@@ -22,7 +22,9 @@ def load_slopes(out_dir: Path) -> dict:
         d = json.loads((Path(out_dir) / SLOPE_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return {m: v for m, v in (d.get("slopes") or {}).items() if isinstance(v, dict) and v.get("slope") is not None}
+    # a slope whose interval holds 0 (`resolved: false`, benchmarks/bench_delay_slope.py) says nothing to model with
+    return {m: v for m, v in (d.get("slopes") or {}).items()
+            if isinstance(v, dict) and v.get("slope") is not None and v.get("resolved", True) is not False}
 
 
 def predictions_124m(path: Path = SIZEFIT_RESULTS) -> dict:
