@@ -27,7 +27,7 @@ from dataclasses import dataclass
 __all__ = ["Profile", "PROFILES", "PROFILE_NAMES", "profile", "symbol_error_probability",
            "codeword_failure_probability", "failed_symbol_count_pmf", "symbol_bit_errors_pmf",
            "delivered_ber", "frame_error_probability", "frame_drop_probability", "codewords_per_frame",
-           "added_latency_s", "MAC_RATE_BPS"]
+           "added_latency_s", "goodput_fraction", "MAC_RATE_BPS"]
 
 MAC_RATE_BPS = 100e9  # the link the added latencies are stated for (100GBASE-R: one 106.25 Gbit/s FEC stream)
 
@@ -190,10 +190,26 @@ def frame_drop_probability(prof: Profile, p: float, frame_bits: int) -> float:
 def added_latency_s(prof: Profile, p: float = 0.0, frame_bits: int = 1500 * 8) -> float:
     """The one-way latency a profile adds per hop to a frame, on average: fec, the codeword fill and the decoder
     (whatever the BER); retry, the replay delay times the expected replays of a frame, E = P / (1 - P) with P its
-    frame error probability (go-back-N resends the frames behind it too: not counted); raw: 0."""
+    frame error probability (go-back-N resends the frames behind it too: that costs throughput, goodput_fraction);
+    raw: 0."""
     if prof.kind == "fec":
         return prof.fill_s + prof.decode_s
     if prof.kind == "retry":
         pe = frame_error_probability(p, frame_bits)
         return math.inf if pe >= 1 else prof.replay_s * pe / (1 - pe)
     return 0.0
+
+
+def goodput_fraction(prof: Profile, p: float = 0.0, frame_bits: int = 1500 * 8, rate_bps: float = MAC_RATE_BPS
+                     ) -> float:
+    """The share of the link's rate that delivers new frames. retry (go-back-N): an errored frame costs its own
+    transmission and the replay round trip, during which the frames sent behind it are resent too, so with
+    P = frame_error_probability and a = replay_s / (frame_bits / rate_bps) the link delivers
+    (1 - P) / (1 + a P) of its rate (the go-back-N efficiency with the window filling the round trip). fec: 1
+    (the code's overhead is inside the standard's line rate: the MAC rate is MAC_RATE_BPS); raw: 1. A link
+    with goodput g spends 1/g of the clean link's time on each byte."""
+    if prof.kind != "retry":
+        return 1.0
+    pe = frame_error_probability(p, frame_bits)
+    a = prof.replay_s * rate_bps / frame_bits
+    return (1 - pe) / (1 + a * pe)

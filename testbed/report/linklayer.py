@@ -55,7 +55,28 @@ def _steps(v) -> str:
 
 
 def _wall(v) -> str:
-    return "-" if v is None else f"{v:.1f} s"
+    if v is None:
+        return "-"
+    return "∞" if not math.isfinite(v) else f"{v:.1f} s" if v < 1e4 else f"{v:.2g} s"
+
+
+def _latency(v: float) -> str:
+    """A per-hop latency in ns up to 100 µs, then in seconds."""
+    if not math.isfinite(v):
+        return "∞"
+    return f"{v * 1e9:,.0f} ns" if v < 1e-4 else f"{v:.2g} s"
+
+
+def _point_timeout(out_dir: Path) -> float | None:
+    """The experiment's point_timeout (DIR/experiment.yaml), None if it has none."""
+    from testbed.report.report import _experiment_info
+
+    v = _experiment_info(Path(out_dir), None).get("point_timeout")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def _names(profiles: tuple) -> str:
+    return " = ".join(profiles) + (" (tie)" if len(profiles) > 1 else "") if profiles else ""
 
 
 def _verdict_124m(e: dict, pred: dict | None) -> str:
@@ -83,7 +104,8 @@ def linklayer_section(rows: list[dict], out_dir: Path) -> list[str]:
     if not any(r.get("profile") for r in rows):
         return []
     slopes = load_slopes(out_dir)
-    table = ttt.decision_table(rows, {m: v["slope"] for m, v in slopes.items()})
+    timeout = _point_timeout(out_dir)
+    table = ttt.decision_table(rows, {m: v["slope"] for m, v in slopes.items()}, timeout)
     win_meas = ttt.winners(table, "wall_measured_s")
     win_mod = ttt.winners(table, "wall_modelled_s")
     preds = predictions_124m()
@@ -97,8 +119,13 @@ def linklayer_section(rows: list[dict], out_dir: Path) -> list[str]:
           "+ the paired rule's tolerance) soonest in wall time. Steps and wall times: medians over the seeds, given "
           "only when every seed reached the target. **Measured**: this machine's step times summed to the target "
           "(the emulator's own per-packet costs included). **Modelled**: the raw link's clean step time plus the "
-          "profile's per-hop latency times the measured slope of step time against per-hop delay, plus what the "
-          "errors cost the point over its own clean run (testbed/analysis/timetotarget.py). The 124M column is "
+          "profile's per-hop latency times the measured slope of step time against per-hop delay, plus the raw "
+          "link's clean communication time stretched by 1/goodput - 1 (link-level retry's go-back-N replays: "
+          "every errored 1500-B frame costs its replay round trip of link time at 100 Gb/s), plus what the "
+          "errors cost the point over its own clean run (testbed/analysis/timetotarget.py). A modelled wall past "
+          "the point timeout" + (f" ({timeout:g} s)" if timeout else "") + " is a link that is down in effect "
+          "and wins nothing. **Fastest**: the least median wall; a profile whose seeds' range overlaps the "
+          "fastest one's ties with it (3 seeds cannot order them). The 124M column is "
           "**predicted**, not measured: the model's delivered BER against the size fit of the published thresholds "
           "(default recipe).", ""]
     if slopes:
@@ -121,10 +148,12 @@ def linklayer_section(rows: list[dict], out_dir: Path) -> list[str]:
             for e in entries:
                 key = (model, mode, e["pre_fec_ber"])
                 verdict = []
-                if win_meas.get(key) == e["profile"]:
-                    verdict.append("fastest, measured")
-                if win_mod.get(key) == e["profile"]:
-                    verdict.append("fastest, modelled")
+                for word, win in (("measured", win_meas.get(key, ())), ("modelled", win_mod.get(key, ()))):
+                    if e["profile"] in win:
+                        verdict.append(("fastest, " if len(win) == 1 else "tied fastest, ") + word)
+                if e.get("modelled_past_timeout") and e["reached"] == e["n_seeds"]:
+                    verdict.append("modelled past the point timeout: down in effect"
+                                   + (f" (goodput {e['goodput']:.2g})" if e.get("goodput", 1) < 1 else ""))
                 if e["reached"] < e["n_seeds"]:
                     verdict.append(f"target not reached by {e['n_seeds'] - e['reached']}/{e['n_seeds']} seeds"
                                    + (f" ({', '.join(s for s in e['statuses'] if s != 'ok')})"
@@ -132,15 +161,16 @@ def linklayer_section(rows: list[dict], out_dir: Path) -> list[str]:
                 delivered = fmt_ber(e["delivered_ber"]) if e["delivered_ber"] else "0"
                 extra = (f", {e['frames_dropped']:,} frames dropped" if e["frames_dropped"] else "") + (
                     f", {e['frames_replayed']:,} replayed" if e["frames_replayed"] else "")
-                lat = e["hop_latency_s"]
-                lat_text = "∞" if not math.isfinite(lat) else f"{lat * 1e9:.0f} ns"
+                lat_text = _latency(e["hop_latency_s"]) + (
+                    f"; goodput {e['goodput']:.2g}" if e.get("goodput", 1) < 1 else "")
                 md.append(f"| {e['profile']} | {fmt_ber(e['pre_fec_ber'])} | {delivered}{extra} | {lat_text} | "
                           f"{_steps(e['steps_to_target'])} | "
                           f"{_wall(e['wall_measured_s'])}, {_wall(e['wall_modelled_s'])} | "
                           f"{'; '.join(verdict) or '-'} | {_verdict_124m(e, preds.get(mode))} |")
             md.append("")
             bers = sorted({e["pre_fec_ber"] for e in entries})
-            md += ["Fastest per pre-FEC BER (modelled where a slope was measured, else measured): "
-                   + ", ".join(f"{fmt_ber(b)}: {win_mod.get((model, mode, b)) or win_meas.get((model, mode, b)) or 'none reached'}"
+            win = win_mod if slopes.get(mode) else win_meas
+            md += [f"Fastest per pre-FEC BER ({'modelled' if slopes.get(mode) else 'measured'}): "
+                   + ", ".join(f"{fmt_ber(b)}: {_names(win.get((model, mode, b), ())) or 'none reached'}"
                                for b in bers), ""]
     return md + [plot, ""]

@@ -746,7 +746,8 @@ def plot_detection_vs_ber(rows: list[dict], path) -> Path | None:
 def plot_wall_to_target(table: list[dict], path) -> Path | None:
     """Wall time to the target loss against pre-FEC BER, one line per link profile, one panel per (model, mode)
     (testbed/analysis/timetotarget.decision_table entries): modelled where a slope was measured (solid), measured
-    (dashed) otherwise; a profile whose seeds did not all reach the target has no point there."""
+    (dashed) otherwise; a profile whose seeds did not all reach the target, or whose modelled wall is past the
+    point timeout (a link down in effect), has no point there."""
     panels = sorted({(e["model"], e["mode"]) for e in table}, key=str)
     if not panels:
         return None
@@ -756,10 +757,11 @@ def plot_wall_to_target(table: list[dict], path) -> Path | None:
     drew = False
     for ax, (model, mode) in zip(axes, panels):
         for i, prof in enumerate(profiles):
-            pts = sorted((e["pre_fec_ber"], e["wall_modelled_s"], e["wall_measured_s"]) for e in table
+            pts = sorted((e["pre_fec_ber"], None if e.get("modelled_past_timeout") else e["wall_modelled_s"],
+                          e["wall_measured_s"]) for e in table
                          if (e["model"], e["mode"], e["profile"]) == (model, mode, prof) and e["pre_fec_ber"] > 0)
             for col, style in ((1, "-"), (2, "--")):
-                xy = [(b, v[col - 1]) for b, *v in pts if v[col - 1] is not None]
+                xy = [(b, v[col - 1]) for b, *v in pts if v[col - 1] is not None and math.isfinite(v[col - 1])]
                 if xy:
                     ax.plot(*zip(*xy), style, marker="o", color=palette[i % len(palette)],
                             label=f"{prof} ({'modelled' if col == 1 else 'measured'})")
@@ -769,7 +771,8 @@ def plot_wall_to_target(table: list[dict], path) -> Path | None:
         ax.set_ylabel("wall time to target (s)")
         ax.set_title(f"{model}, {mode_name(mode)}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     return save_figure(fig, path) if drew else None
 
 
