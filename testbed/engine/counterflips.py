@@ -1,0 +1,128 @@
+"""Bit flips as a pure function of stream position (issue 38, item 1): a counter-based generator.
+
+The packet-order generators of the engines draw flips in the order packets arrive, so a retransmission, a GSO
+boundary or a reordered segment moves every later flip. Here a flip is a function of (key, bit offset in the
+stream) and nothing else:
+
+- the key: two 32-bit words hashed (BLAKE2b) from the stream's identity, `stream_key(link_seed, run_seed,
+  direction, flow)`: the same identity gives the same key on every run and in every engine;
+- the stream is cut into blocks of BLOCK_BYTES (64) bytes by byte offset (the TCP sequence number relative to the
+  flow's ISN, or the eligible-byte offset in scope tensor); block b's flips come from Philox4x32-10 (Salmon et al.,
+  SC'11; checked against the Random123 known-answer vectors) at counter (b low, b high, j, 0), j = 0, 1, ...:
+  - the count: a 64-bit uniform u (words 0 and 1 of counter j = 0) against the precomputed binomial tail table
+    of the BER: the block holds at least k flips iff u < floor(P(Binomial(512, ber) >= k) 2^64) (inverse CDF,
+    integer compares only, so a BPF program can do the same);
+  - the positions: the following words (2 and 3 of j = 0, then all four of j = 1, 2, ...), each taken mod 512,
+    a position already drawn skipped (so the k positions are a uniform k-subset of the block's 512 bits).
+  Per block: Binomial(512, ber) flips at uniform distinct positions, which is exactly independent flips of
+  every bit with probability ber. A byte range's flips are the flips of the blocks it overlaps that fall inside
+  it, so any cutting of a stream into segments gives the same flips, and a retransmission gets its original's.
+
+Written by hand (numpy, vectorised over blocks) because the same arithmetic has to run in a BPF program: numpy's
+Philox is 4x64 and keyed differently, and no library exposes a per-position binomial draw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+
+import numpy as np
+
+BLOCK_BYTES = 64
+BLOCK_BITS = BLOCK_BYTES * 8
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = np.uint64(0xFFFFFFFF)
+_MAX_WORDS = 4 * 64  # position words a block may use (rejections included); tables cap the count far below
+
+
+def philox4x32(counter: np.ndarray, key: tuple[int, int], rounds: int = 10) -> np.ndarray:
+    """Philox4x32-R of an (N, 4) array of 32-bit counter words under one key: (N, 4) uint64 holding 32-bit words."""
+    c = np.asarray(counter, dtype=np.uint64).reshape(-1, 4)
+    c0, c1, c2, c3 = (c[:, i].copy() for i in range(4))
+    k0, k1 = key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _W0) & 0xFFFFFFFF, (k1 + _W1) & 0xFFFFFFFF
+        p0, p1 = _M0 * c0, _M1 * c2
+        hi0, lo0, hi1, lo1 = p0 >> np.uint64(32), p0 & _MASK32, p1 >> np.uint64(32), p1 & _MASK32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ np.uint64(k0), lo1, hi0 ^ c3 ^ np.uint64(k1), lo0
+    return np.stack([c0, c1, c2, c3], axis=1)
+
+
+def stream_key(link_seed: int, run_seed: int | None, direction: str, flow: str | tuple) -> tuple[int, int]:
+    """The Philox key of one stream: BLAKE2b-64 of (link seed, run seed or None, direction, flow identity)."""
+    ident = repr((int(link_seed), None if run_seed is None else int(run_seed), str(direction), flow)).encode()
+    d = hashlib.blake2b(ident, digest_size=8).digest()
+    return int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")
+
+
+@lru_cache(maxsize=64)
+def tail_table(ber: float) -> tuple[int, ...]:
+    """(T_1, T_2, ...): T_k = floor(P(Binomial(BLOCK_BITS, ber) >= k) 2^64), down to the first 0 (a count that a
+    64-bit uniform never reaches)."""
+    from scipy import stats
+
+    if not 0 <= ber <= 1:
+        raise ValueError(f"ber must be in [0, 1], got {ber!r}")
+    out = []
+    for k in range(1, BLOCK_BITS + 1):
+        t = min(int(float(stats.binom.sf(k - 1, BLOCK_BITS, ber)) * 2.0 ** 64), 2 ** 64 - 1)
+        if t <= 0:
+            break
+        out.append(t)
+    return tuple(out)
+
+
+def block_counts(key: tuple[int, int], ber: float, blocks: np.ndarray) -> np.ndarray:
+    """Flip counts of the given block indices (int64 array)."""
+    blocks = np.asarray(blocks, dtype=np.uint64)
+    table = tail_table(ber)
+    if not table or blocks.size == 0:
+        return np.zeros(blocks.shape, dtype=np.int64)
+    ctr = np.zeros((blocks.size, 4), dtype=np.uint64)
+    ctr[:, 0], ctr[:, 1] = blocks & _MASK32, blocks >> np.uint64(32)
+    w = philox4x32(ctr, key)
+    u = (w[:, 1] << np.uint64(32)) | w[:, 0]
+    return (u[:, None] < np.array(table, dtype=np.uint64)[None, :]).sum(axis=1).astype(np.int64)
+
+
+def block_positions(key: tuple[int, int], block: int, count: int) -> list[int]:
+    """The `count` distinct bit positions (0 .. BLOCK_BITS - 1) of block `block`'s flips, in draw order."""
+    out: list[int] = []
+    j = 0
+    words = [int(x) for x in philox4x32(np.array([[block & 0xFFFFFFFF, block >> 32, 0, 0]]), key)[0, 2:]]
+    while len(out) < count:
+        if not words:
+            j += 1
+            if 4 * j > _MAX_WORDS:
+                raise RuntimeError("position draw did not settle (count too large for a block)")
+            words = [int(x) for x in philox4x32(np.array([[block & 0xFFFFFFFF, block >> 32, j, 0]]), key)[0]]
+        pos = words.pop(0) % BLOCK_BITS
+        if pos not in out:
+            out.append(pos)
+    return out
+
+
+def flips(key: tuple[int, int], ber: float, start_byte: int, nbytes: int) -> np.ndarray:
+    """The stream bit offsets (sorted, int64) that flip within bytes [start_byte, start_byte + nbytes) of the
+    stream; bit i of byte B is offset 8 B + i, i = 0 the byte's least significant bit."""
+    if nbytes <= 0 or ber <= 0:
+        return np.zeros(0, dtype=np.int64)
+    first, last = start_byte // BLOCK_BYTES, (start_byte + nbytes - 1) // BLOCK_BYTES
+    blocks = np.arange(first, last + 1, dtype=np.uint64)
+    counts = block_counts(key, ber, blocks)
+    lo, hi = 8 * start_byte, 8 * (start_byte + nbytes)
+    out = [int(b) * BLOCK_BITS + p for b, n in zip(blocks[counts > 0], counts[counts > 0])
+           for p in block_positions(key, int(b), int(n))]
+    out = np.array(sorted(x for x in out if lo <= x < hi), dtype=np.int64)
+    return out
+
+
+def apply(buf: bytearray, key: tuple[int, int], ber: float, start_byte: int) -> int:
+    """Flip `buf` in place as the stream's bytes [start_byte, start_byte + len(buf)); returns the bits flipped."""
+    offs = flips(key, ber, start_byte, len(buf)) - 8 * start_byte
+    for o in offs:
+        buf[o >> 3] ^= 1 << (o & 7)
+    return len(offs)
