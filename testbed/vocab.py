@@ -18,8 +18,9 @@ CHECKSUM_MODES = ("fix", "keep")
 # a topology or a command may also ask for auto (bpf where it loads and the scope allows, else nfqueue).
 ENGINES = ("nfqueue", "bpf")
 ENGINE_CHOICES = ENGINES + ("auto",)
-# How a link's bit errors arrive: independently per bit, or in bursts (docs/engine.md, "Error models").
-ERROR_MODELS = ("bernoulli", "gilbert_elliott")
+# How a link's bit errors arrive: independently per bit (bernoulli; counter: the same law drawn as a pure function
+# of the stream position), or in bursts (docs/engine.md, "Error models").
+ERROR_MODELS = ("bernoulli", "counter", "gilbert_elliott")
 
 # The floating-point types a tensor crosses a link in: type -> (exponent bits, mantissa bits), the sign on top.
 FLOAT_FORMATS = {"fp32": (8, 23), "bf16": (8, 7), "fp16": (5, 10)}

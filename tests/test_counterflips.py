@@ -45,7 +45,7 @@ def test_flips_depend_on_position_only():
     buf = bytearray(rng.integers(0, 256, b - a, dtype=np.uint8).tobytes())
     before = bytes(buf)
     assert cf.apply(buf, key, ber, a) == len(original)
-    diff = np.unpackbits(np.frombuffer(bytes(x ^ y for x, y in zip(before, buf)), np.uint8), bitorder="little")
+    diff = np.unpackbits(np.frombuffer(bytes(x ^ y for x, y in zip(before, buf)), np.uint8), bitorder="big")
     assert np.array_equal(np.flatnonzero(diff) + 8 * a, original)
     cf.apply(buf, key, ber, a)
     assert bytes(buf) == before
@@ -115,3 +115,52 @@ def test_a_bad_ber_is_refused():
     with pytest.raises(ValueError, match="ber must be in"):
         cf.tail_table(1.5)
     assert len(cf.flips(cf.stream_key(1, 1, "a", "b"), 0.0, 0, 1 << 20)) == 0
+
+
+# -- in the NFQUEUE engine's corruptor: error_model counter -------------------------------------------------------
+
+def _stream(seg_size: int, data: bytes, seed: int = 7, resend=()):
+    from test_packet import corruptor, tcp_bytes
+
+    c = corruptor(ber=1e-3, seed=seed, error_model={"type": "counter"})
+    c.process(memoryview(tcp_bytes(b"", seq=0, flags="S")))
+    out, again = bytearray(), []
+    for off in range(0, len(data), seg_size):
+        chunk = data[off:off + seg_size]
+        r = c.process(memoryview(tcp_bytes(chunk, seq=1 + off)))
+        out += chunk if r is None else bytes(r)[40:]
+    for off in resend:  # a retransmission of the segment at `off`
+        chunk = data[off:off + seg_size]
+        r = c.process(memoryview(tcp_bytes(chunk, seq=1 + off)))
+        again.append(chunk if r is None else bytes(r)[40:])
+    return bytes(out), again, c
+
+
+def test_the_engine_draws_the_pure_function():
+    """With error_model counter the corruptor's flips in a TCP stream are exactly counterflips.flips of the flow's
+    key over the stream's bytes, whatever the segment size; a retransmission carries its original's flips; another
+    seed gives other flips."""
+    data = np.random.default_rng(7).bytes(64000)
+    a, again, c = _stream(1448, data, resend=(1448 * 3, 1448 * 10))
+    b, _, _ = _stream(8948, data)
+    assert a == b
+    got = np.flatnonzero(np.unpackbits(np.frombuffer(bytes(x ^ y for x, y in zip(a, data)), np.uint8),
+                                       bitorder="big"))
+    (flow,) = [f for f in c.flows.values() if f.okf is not None]
+    key = flow.okf.model.key
+    assert np.array_equal(got, cf.flips(key, 1e-3, 0, len(data))) and len(got) > 300
+    assert again == [a[1448 * 3:1448 * 4], a[1448 * 10:1448 * 11]]
+    assert c.counters.bits_flipped == len(got) and c.counters.retransmitted_bits == 2 * 1448 * 8
+    other, _, _ = _stream(1448, data, seed=8)
+    assert other != a
+
+
+def test_counter_is_refused_by_the_bpf_engine_and_named_in_errors():
+    from testbed.engine.models import validate_error_model
+
+    with pytest.raises(ValueError, match="counter error model takes no parameters"):
+        validate_error_model({"type": "counter", "burst_length": 4}, 1e-3)
+    from testbed.engine.bpf.maps import model_tables
+
+    with pytest.raises(ValueError, match="no counter error model"):
+        model_tables({"type": "counter"}, 1e-3)

@@ -81,11 +81,14 @@ class BpfEngine(Engine):
         if imp.error_model.get("type") == "profile":
             out.append(("engine", "engine bpf has no link profiles (codewords, dropped or replayed frames): "
                                   "profile needs engine nfqueue (or auto)"))
+        if imp.error_model.get("type") == "counter":
+            out.append(("engine", "engine bpf does not draw counter-based flips yet: error_model counter needs "
+                                  "engine nfqueue (or auto)"))
         return out
 
     def serves(self, imp, capture: dict | None, peer_netns: str) -> bool:
         return (imp.scope in self.scopes and not capture and not (imp.checksum == "keep" and not peer_netns)
-                and imp.error_model.get("type") != "profile")
+                and imp.error_model.get("type") not in ("profile", "counter"))
 
     def _start_one(self, spec: EngineSpec) -> EngineHandle:
         spec = prepared(spec)

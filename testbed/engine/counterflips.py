@@ -75,17 +75,31 @@ def tail_table(ber: float) -> tuple[int, ...]:
     return tuple(out)
 
 
-def block_counts(key: tuple[int, int], ber: float, blocks: np.ndarray) -> np.ndarray:
-    """Flip counts of the given block indices (int64 array)."""
+def key_of(*words: int) -> tuple[int, int]:
+    """A Philox key from any tuple of ints (an engine's seed and stream key): BLAKE2b-64 of their repr."""
+    d = hashlib.blake2b(repr(tuple(int(w) for w in words)).encode(), digest_size=8).digest()
+    return int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")
+
+
+def _count_words(key: tuple[int, int], ber: float, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, words): the blocks' flip counts and their counter-0 Philox words."""
     blocks = np.asarray(blocks, dtype=np.uint64)
     table = tail_table(ber)
-    if not table or blocks.size == 0:
-        return np.zeros(blocks.shape, dtype=np.int64)
     ctr = np.zeros((blocks.size, 4), dtype=np.uint64)
     ctr[:, 0], ctr[:, 1] = blocks & _MASK32, blocks >> np.uint64(32)
     w = philox4x32(ctr, key)
+    if not table:
+        return np.zeros(blocks.shape, dtype=np.int64), w
     u = (w[:, 1] << np.uint64(32)) | w[:, 0]
-    return (u[:, None] < np.array(table, dtype=np.uint64)[None, :]).sum(axis=1).astype(np.int64)
+    return (u[:, None] < np.array(table, dtype=np.uint64)[None, :]).sum(axis=1).astype(np.int64), w
+
+
+def block_counts(key: tuple[int, int], ber: float, blocks: np.ndarray) -> np.ndarray:
+    """Flip counts of the given block indices (int64 array)."""
+    blocks = np.asarray(blocks, dtype=np.uint64)
+    if not tail_table(ber) or blocks.size == 0:
+        return np.zeros(blocks.shape, dtype=np.int64)
+    return _count_words(key, ber, blocks)[0]
 
 
 def block_positions(key: tuple[int, int], block: int, count: int) -> list[int]:
@@ -105,24 +119,45 @@ def block_positions(key: tuple[int, int], block: int, count: int) -> list[int]:
     return out
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+_BB = np.uint64(BLOCK_BITS - 1)
+
+
+def flips_bits(key: tuple[int, int], ber: float, start_bit: int, n_bits: int) -> np.ndarray:
+    """The stream bit offsets (sorted, int64) that flip within bits [start_bit, start_bit + n_bits)."""
+    if n_bits <= 0 or ber <= 0:
+        return _EMPTY
+    first, last = start_bit // BLOCK_BITS, (start_bit + n_bits - 1) // BLOCK_BITS
+    blocks = np.arange(first, last + 1, dtype=np.uint64)
+    counts, w = _count_words(key, ber, blocks)
+    hit = counts > 0
+    if not hit.any():
+        return _EMPTY
+    blocks, counts, w = blocks[hit], counts[hit], w[hit]
+    base = blocks.astype(np.int64) * BLOCK_BITS
+    p2, p3 = (w[:, 2] & _BB).astype(np.int64), (w[:, 3] & _BB).astype(np.int64)
+    # one flip: word 2; two: words 2 and 3 when they differ; anything else drawn block by block
+    one = counts == 1
+    two = (counts == 2) & (p2 != p3)
+    parts = [base[one] + p2[one], base[two] + p2[two], base[two] + p3[two]]
+    rest = ~(one | two)
+    if rest.any():
+        parts.append(np.array([int(b) * BLOCK_BITS + p for b, n in zip(blocks[rest], counts[rest])
+                               for p in block_positions(key, int(b), int(n))], dtype=np.int64))
+    out = np.sort(np.concatenate(parts))
+    lo, hi = np.searchsorted(out, [start_bit, start_bit + n_bits])
+    return out[lo:hi]
+
+
 def flips(key: tuple[int, int], ber: float, start_byte: int, nbytes: int) -> np.ndarray:
     """The stream bit offsets (sorted, int64) that flip within bytes [start_byte, start_byte + nbytes) of the
-    stream; bit i of byte B is offset 8 B + i, i = 0 the byte's least significant bit."""
-    if nbytes <= 0 or ber <= 0:
-        return np.zeros(0, dtype=np.int64)
-    first, last = start_byte // BLOCK_BYTES, (start_byte + nbytes - 1) // BLOCK_BYTES
-    blocks = np.arange(first, last + 1, dtype=np.uint64)
-    counts = block_counts(key, ber, blocks)
-    lo, hi = 8 * start_byte, 8 * (start_byte + nbytes)
-    out = [int(b) * BLOCK_BITS + p for b, n in zip(blocks[counts > 0], counts[counts > 0])
-           for p in block_positions(key, int(b), int(n))]
-    out = np.array(sorted(x for x in out if lo <= x < hi), dtype=np.int64)
-    return out
+    stream; bit i of byte B is offset 8 B + i, i = 0 the byte's most significant bit (the engines' order)."""
+    return flips_bits(key, ber, 8 * start_byte, 8 * nbytes)
 
 
 def apply(buf: bytearray, key: tuple[int, int], ber: float, start_byte: int) -> int:
     """Flip `buf` in place as the stream's bytes [start_byte, start_byte + len(buf)); returns the bits flipped."""
     offs = flips(key, ber, start_byte, len(buf)) - 8 * start_byte
     for o in offs:
-        buf[o >> 3] ^= 1 << (o & 7)
+        buf[o >> 3] ^= 0x80 >> (o & 7)
     return len(offs)

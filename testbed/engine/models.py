@@ -38,6 +38,7 @@ __all__ = [
     "CodewordModel",
     "OffsetKeyedFlips",
     "FlipRange",
+    "CounterModel",
     "make_rng",
     "build_model",
     "profile_action",
@@ -468,16 +469,54 @@ class CodewordModel:
         return f"CodewordModel({self.profile.name}, ber={self._ber:g}, position={self.position})"
 
 
+class CounterModel:
+    """Bernoulli flips drawn by a counter-based generator (engine/counterflips.py): the flips of bit offset x are
+    a pure function of (key, x), so a stream's flips depend on nothing but its identity and positions (the same
+    in any engine that computes the same function; no memory of what was drawn). flips(n) and skip(n) move a
+    position as the sequential models do; seek(x) sets it (OffsetKeyedFlips starts it at the flow's first keyed
+    offset)."""
+
+    __slots__ = ("_ber", "key", "pos")
+
+    def __init__(self, ber: float, key: tuple[int, int]):
+        self._ber = _check_probability("ber", ber)
+        self.key = key
+        self.pos = 0
+
+    @property
+    def ber(self) -> float:
+        return self._ber
+
+    def set_ber(self, ber: float) -> None:
+        self._ber = _check_probability("ber", ber)
+
+    def seek(self, pos: int) -> None:
+        self.pos = int(pos)
+
+    def flips(self, n_bits: int) -> np.ndarray:
+        from testbed.engine import counterflips
+
+        f = counterflips.flips_bits(self.key, self._ber, self.pos, n_bits)
+        start, self.pos = self.pos, self.pos + n_bits
+        return f - start if f.size else EMPTY
+
+    def skip(self, n_bits: int) -> None:
+        self.pos += int(n_bits)
+
+    def __repr__(self) -> str:
+        return f"CounterModel(ber={self._ber:g}, key={self.key})"
+
+
 def validate_error_model(error_model: dict | None, ber: float) -> dict:
     """Normalize an ``error_model`` config dict (docs/engine.md, "Error models"); raise ValueError if
     invalid."""
     em = dict(error_model or {"type": "bernoulli"})
     kind = em.get("type", "bernoulli")
     em["type"] = kind
-    if kind == "bernoulli":
+    if kind in ("bernoulli", "counter"):
         unknown = set(em) - {"type"}
         if unknown:
-            raise ValueError(f"bernoulli error model takes no parameters, got {sorted(unknown)}")
+            raise ValueError(f"{kind} error model takes no parameters, got {sorted(unknown)}")
         _check_probability("ber", ber)
     elif kind == "gilbert_elliott":
         unknown = set(em) - {"type", "burst_length", "bad_ber", "good_ber"}
@@ -498,7 +537,7 @@ def validate_error_model(error_model: dict | None, ber: float) -> dict:
         linklayer.profile(em.get("profile"))  # a ValueError naming the known ones
         _check_probability("pre-FEC ber", ber)
     else:
-        raise ValueError(f"unknown error model type {kind!r} (bernoulli, gilbert_elliott, profile)")
+        raise ValueError(f"unknown error model type {kind!r} (bernoulli, counter, gilbert_elliott, profile)")
     return em
 
 
@@ -517,9 +556,14 @@ def profile_action(error_model: dict | None) -> str | None:
 
 
 def build_model(error_model: dict | None, ber: float, seed: int, *key: int):
-    """The model an ``error_model`` config dict describes, seeded by (seed, *key): Bernoulli, Gilbert-Elliott,
+    """The model an ``error_model`` config dict describes, seeded by (seed, *key): Bernoulli, counter (Bernoulli
+    as a pure function of position: CounterModel, keyed by BLAKE2b of (seed, *key)), Gilbert-Elliott,
     or a link profile's (a CodewordModel for FEC, Bernoulli at the pre-FEC BER for raw and retry)."""
     em = validate_error_model(error_model, ber)
+    if em["type"] == "counter":
+        from testbed.engine import counterflips
+
+        return CounterModel(ber, counterflips.key_of(seed, *key))
     rng = make_rng(seed, *key)
     if em["type"] == "bernoulli":
         return BernoulliModel(ber, rng=rng)
@@ -587,6 +631,8 @@ class OffsetKeyedFlips:
     def __init__(self, model: BitErrorModel, *, start: int = 0, window_bits: int = 64 << 23,
                  max_flips: int = 1 << 20):
         self.model = model
+        if hasattr(model, "seek"):  # a position-keyed model (CounterModel) starts where the flow's flips do
+            model.seek(start)
         self.window_bits = int(window_bits)
         self.max_flips = int(max_flips)
         self._prune_at = self.window_bits + (self.window_bits >> 3)

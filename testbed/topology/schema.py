@@ -54,7 +54,8 @@ class _Strict(BaseModel):
 
 
 class ErrorModelSpec(_Strict):
-    """`bernoulli`, or `gilbert_elliott` with a mean burst length in bits (mean BER is the link's `ber`)."""
+    """`bernoulli`, `counter` (bernoulli drawn as a pure function of the stream position: engine nfqueue), or
+    `gilbert_elliott` with a mean burst length in bits (mean BER is the link's `ber`)."""
 
     type: Literal[ERROR_MODELS] = "bernoulli"
     burst_length: float | None = Field(default=None, ge=1.0)

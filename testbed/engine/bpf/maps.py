@@ -73,6 +73,8 @@ def model_tables(error_model: dict, ber: float) -> tuple[list, int]:
     """The four gap tables (good-state flips, bad-state flips, good sojourns, bad sojourns) and the
     stationary start threshold, for a validated error model (testbed/engine/models.py parametrization)."""
     kind = (error_model or {}).get("type", "bernoulli")
+    if kind not in ("bernoulli", "gilbert_elliott"):
+        raise ValueError(f"the bpf engine has no {kind} error model (engine nfqueue has)")
     if kind == "bernoulli":
         never = gap_table(0.0)
         return [gap_table(ber), never, never, never], 0
