@@ -576,28 +576,8 @@ class LiveDelays:
                 r.close()
 
 
-def curve_from_metrics(point_dir: Path) -> list[float]:
-    """The slowest rank's time per step from a point's mirrored metrics-rank*.jsonl (as the results row's
-    step_time_curve): for a point that was stopped before its row was written."""
-    by_step: dict[int, float] = {}
-    for f in point_dir.glob("metrics-rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue
-            if d.get("step") is not None and d.get("step_time_s") is not None:
-                by_step[d["step"]] = max(by_step.get(d["step"], 0.0), float(d["step_time_s"]))
-    n = 0
-    while n in by_step:
-        n += 1
-    return [by_step[i] for i in range(n)]
-
-
-def comm_curve(point_dir: Path) -> list[float]:
-    """Per step, the least comm_time_s over the ranks (metrics-rank*.jsonl): the rank that reached the step's
-    collectives last waited least, so its time in them is the part of the step that no rank's compute hid (DDP:
-    the gradient allreduce after the last rank's backward)."""
+def _rank_metric(point_dir: Path, field: str) -> list[list[float]]:
+    """Per step, from the first with no gap, `field` of every rank (the point's mirrored metrics-rank*.jsonl)."""
     by_step: dict[int, list[float]] = {}
     for f in point_dir.glob("metrics-rank*.jsonl"):
         for line in f.read_text().splitlines():
@@ -605,12 +585,25 @@ def comm_curve(point_dir: Path) -> list[float]:
                 d = json.loads(line)
             except ValueError:
                 continue
-            if d.get("step") is not None and d.get("comm_time_s") is not None:
-                by_step.setdefault(d["step"], []).append(float(d["comm_time_s"]))
+            if d.get("step") is not None and d.get(field) is not None:
+                by_step.setdefault(d["step"], []).append(float(d[field]))
     n = 0
     while n in by_step:
         n += 1
-    return [min(by_step[i]) for i in range(n)]
+    return [by_step[i] for i in range(n)]
+
+
+def curve_from_metrics(point_dir: Path) -> list[float]:
+    """The slowest rank's time per step from a point's mirrored metrics-rank*.jsonl (as the results row's
+    step_time_curve): for a point that was stopped before its row was written."""
+    return [max(v) for v in _rank_metric(point_dir, "step_time_s")]
+
+
+def comm_curve(point_dir: Path) -> list[float]:
+    """Per step, the least comm_time_s over the ranks (metrics-rank*.jsonl): the rank that reached the step's
+    collectives last waited least, so its time in them is the part of the step that no rank's compute hid (DDP:
+    the gradient allreduce after the last rank's backward)."""
+    return [min(v) for v in _rank_metric(point_dir, "comm_time_s")]
 
 
 def live_points(rows: list[dict], segments: list[dict], settle: int, warmup: int,
