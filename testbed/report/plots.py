@@ -767,6 +767,7 @@ def plot_wall_to_target(table: list[dict], path) -> Path | None:
                             label=f"{prof} ({'modelled' if col == 1 else 'measured'})")
                     drew = True
         ax.set_xscale("log")
+        ax.set_yscale("log")  # a retry profile's modelled wall spans decades
         ax.set_xlabel("pre-FEC BER")
         ax.set_ylabel("wall time to target (s)")
         ax.set_title(f"{model}, {mode_name(mode)}")
