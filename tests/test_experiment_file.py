@@ -176,7 +176,7 @@ def test_fingerprints_are_per_recipe_and_unchanged_without_recipes(tmp_path):
     assert plain.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-@pytest.mark.parametrize("name", ["thresholds", "scaling", "resync", "clipdrift", "clipdrift-pp"])
+@pytest.mark.parametrize("name", ["thresholds", "scaling", "resync", "clipdrift", "clipdrift-pp", "linklayer"])
 def test_shipped_results_still_resume_against_their_experiment_files(name):
     """docs/results/NAME was run from experiments/NAME.yaml: every row's fingerprint is still the one the file gives
     its recipe, so `testbed run ... --out` on those results reruns nothing. A training setting added without its
