@@ -69,9 +69,9 @@ def _latency(v: float) -> str:
 
 def _point_timeout(out_dir: Path) -> float | None:
     """The experiment's point_timeout (DIR/experiment.yaml), None if it has none."""
-    from testbed.report.report import _experiment_info
+    from testbed.report.report import experiment_info
 
-    v = _experiment_info(Path(out_dir), None).get("point_timeout")
+    v = experiment_info(Path(out_dir), None).get("point_timeout")
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 

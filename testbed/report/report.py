@@ -76,7 +76,7 @@ def load_latency(out_dir) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _experiment_info(out_dir: Path, experiment) -> dict:
+def experiment_info(out_dir: Path, experiment) -> dict:
     """The experiment file as a dict: from an Experiment / ExperimentFile / dict, else DIR/experiment.yaml."""
     if experiment is not None:
         spec = getattr(experiment, "spec", experiment)
@@ -1090,7 +1090,7 @@ def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None =
         if not rows and not (out_dir / RESULTS_FILE).exists() and (rows := load_summary_rows(out_dir)):
             source = SUMMARY_FILE
     latency = load_latency(out_dir) if latency is None else latency
-    exp = _experiment_info(out_dir, experiment)
+    exp = experiment_info(out_dir, experiment)
     tolerance, tol_source = tolerance_of(rows, finite(exp.get("tolerance")))
     write_summary_csv(rows, out_dir / SUMMARY_FILE)
     agg = aggregate(rows, train=exp.get("train"))
