@@ -67,14 +67,6 @@ def _latency(v: float) -> str:
     return f"{v * 1e9:,.0f} ns" if v < 1e-4 else f"{v:.2g} s"
 
 
-def _point_timeout(out_dir: Path) -> float | None:
-    """The experiment's point_timeout (DIR/experiment.yaml), None if it has none."""
-    from testbed.report.report import experiment_info
-
-    v = experiment_info(Path(out_dir), None).get("point_timeout")
-    return float(v) if isinstance(v, (int, float)) and v > 0 else None
-
-
 def _names(profiles: tuple) -> str:
     return " = ".join(profiles) + (" (tie)" if len(profiles) > 1 else "") if profiles else ""
 
@@ -100,11 +92,12 @@ def _verdict_124m(e: dict, pred: dict | None) -> str:
     return f"{word} (delivers {fmt_ber(delivered) if delivered else '0'}; fit {fmt_ber(pred['ber'])})"
 
 
-def linklayer_section(rows: list[dict], out_dir: Path) -> list[str]:
+def linklayer_section(rows: list[dict], out_dir: Path, point_timeout: float | None = None) -> list[str]:
+    """The section's lines; `point_timeout`: the experiment's (a modelled wall past it is a link down in effect)."""
     if not any(r.get("profile") for r in rows):
         return []
     slopes = load_slopes(out_dir)
-    timeout = _point_timeout(out_dir)
+    timeout = float(point_timeout) if isinstance(point_timeout, (int, float)) and point_timeout > 0 else None
     table = ttt.decision_table(rows, {m: v["slope"] for m, v in slopes.items()}, timeout)
     win_meas = ttt.winners(table, "wall_measured_s")
     win_mod = ttt.winners(table, "wall_modelled_s")

@@ -76,7 +76,7 @@ def load_latency(out_dir) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def experiment_info(out_dir: Path, experiment) -> dict:
+def _experiment_info(out_dir: Path, experiment) -> dict:
     """The experiment file as a dict: from an Experiment / ExperimentFile / dict, else DIR/experiment.yaml."""
     if experiment is not None:
         spec = getattr(experiment, "spec", experiment)
@@ -995,7 +995,7 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     md += coverage_lines(missing or {}, rows)
     # experiments with monitored points (docs/locate.md): their detection table and plot lead; [] otherwise
     md += locate_section(rows, _locate_plot_line(rows, out_dir))
-    md += linklayer_section(rows, out_dir)  # rows with link profiles (experiments/linklayer.yaml); [] otherwise
+    md += linklayer_section(rows, out_dir, exp.get("point_timeout"))  # rows with link profiles (experiments/linklayer.yaml); [] otherwise
     if faults:
         md += ["One link per faulty point carries its BER, so the theory's predictions (weight deviation, lost "
                "steps: every link at the point's BER) do not apply and their sections are left out.", ""]
@@ -1090,7 +1090,7 @@ def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None =
         if not rows and not (out_dir / RESULTS_FILE).exists() and (rows := load_summary_rows(out_dir)):
             source = SUMMARY_FILE
     latency = load_latency(out_dir) if latency is None else latency
-    exp = experiment_info(out_dir, experiment)
+    exp = _experiment_info(out_dir, experiment)
     tolerance, tol_source = tolerance_of(rows, finite(exp.get("tolerance")))
     write_summary_csv(rows, out_dir / SUMMARY_FILE)
     agg = aggregate(rows, train=exp.get("train"))
