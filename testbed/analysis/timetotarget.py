@@ -8,15 +8,16 @@ For each point with a link profile (results rows with `profile`):
   the measured step times up to that step (what this machine took, the testbed's own costs included: engines,
   TCP's retransmissions of dropped frames);
 - wall_to_target, modelled: steps_to_target x (the raw link's clean step time + slope x hop_latency + the raw
-  link's clean communication time x (1 / goodput - 1)) plus what the errors cost this point over its own clean run (its measured wall time minus steps x its clean run's median step
-  time: TCP's waits for dropped frames, at this machine's speed). hop_latency is the one-way latency the profile
+  link's clean communication time x (1 / goodput - 1)) plus what the errors cost this point over its own clean
+  run (its measured wall time minus steps x its clean run's median step time: TCP's waits for dropped frames, at
+  this machine's speed). hop_latency is the one-way latency the profile
   adds per hop (linklayer.added_latency_s: FEC fill and decode, replay delays), far below what a software testbed
   resolves; slope is the measured growth of step time with per-hop delay (seconds of step per second of delay per
   hop, fitted from delay points: `fit_delay_slope`). goodput (linklayer.goodput_fraction) is the share of the
   link's rate left for new frames: below 1 only for retry, whose go-back-N replays resend every frame sent during
   the replay round trip; the step's communication time stretches by 1 / goodput (a model: this machine's
-  communication time is set by its CPUs, not by a line rate). The raw link's clean step time (profile none, BER 0) stands
-  for every profile's: the emulator's own per-packet costs differ between profiles (drop and retry take MTU-sized
+  communication time is set by its CPUs, not by a line rate). The raw link's clean step time (profile none, BER 0)
+  stands for every profile's: the emulator's own per-packet costs differ between profiles (drop and retry take MTU-sized
   frames, the others GSO super-packets) and are no part of a real link layer.
 
 A verdict per (mode, pre-FEC BER): the profile with the least median wall time, among those that reached the
@@ -162,18 +163,20 @@ def decision_table(rows: list[dict], slopes: dict[str, float | None], timeout_s:
                     "steps_to_target": med("steps_to_target"), "step_time_s": med("step_time_s"),
                     "wall_measured_s": med("wall_measured_s"), "wall_modelled_s": med("wall_modelled_s"),
                     "wall_measured_range": span("wall_measured_s"), "wall_modelled_range": span("wall_modelled_s"),
-                    "goodput": ts[0]["goodput"], "statuses": sorted({t["status"] for t in ts})})
-        last = out[-1]
-        last["modelled_past_timeout"] = bool(last["wall_modelled_s"] is not None and timeout_s
-                                             and last["wall_modelled_s"] > timeout_s)
+                    "goodput": ts[0]["goodput"], "statuses": sorted({t["status"] for t in ts}),
+                    "modelled_past_timeout": bool(timeout_s and (med("wall_modelled_s") or 0.0) > timeout_s)})
     return out
 
 
 def winners(table: list[dict], key: str = "wall_modelled_s") -> dict[tuple, tuple[str, ...]]:
     """Per (model, mode, pre-FEC BER): the fastest profiles by `key`, among those every seed of which reached the
     target and whose modelled wall is within the point timeout (measured too: this machine replays frames at no
-    cost, so a link that is down in effect can look fast here): the one with the least median first, then every other whose
-    range over the seeds overlaps its range (a tie); () when none reached it."""
+    cost, so a link that is down in effect can look fast here): the one with the least median first, then every
+    other whose range over the seeds overlaps its range (a tie); () when none reached it."""
+
+    def span(e: dict) -> tuple[float, float]:
+        return e.get(key.removesuffix("_s") + "_range") or (e[key], e[key])
+
     cands: dict[tuple, list[dict]] = {}
     for e in table:
         k = (e["model"], e["mode"], e["pre_fec_ber"])
@@ -188,8 +191,6 @@ def winners(table: list[dict], key: str = "wall_modelled_s") -> dict[tuple, tupl
             out[k] = ()
             continue
         es.sort(key=lambda e: e[key])
-        best = es[0]
-        hi = (best.get(key.removesuffix("_s") + "_range") or (best[key], best[key]))[1]
-        out[k] = tuple(e["profile"] for e in es
-                       if e is best or (e.get(key.removesuffix("_s") + "_range") or (e[key], e[key]))[0] <= hi)
+        hi = span(es[0])[1]
+        out[k] = tuple(e["profile"] for e in es if e is es[0] or span(e)[0] <= hi)
     return out

@@ -13,6 +13,7 @@ from testbed.engine.config import BPF_SCOPES, EngineSpec
 # How many directions `start` loads at a time: a load is mostly the kernel's verifier (~0.17 s) working in the
 # loading thread.
 PARALLEL_LOADS = 4
+_NOT_IN_KERNEL = ("profile", "counter")  # error models the program does not draw (refusals says why)
 
 
 def _bpf():
@@ -88,7 +89,7 @@ class BpfEngine(Engine):
 
     def serves(self, imp, capture: dict | None, peer_netns: str) -> bool:
         return (imp.scope in self.scopes and not capture and not (imp.checksum == "keep" and not peer_netns)
-                and imp.error_model.get("type") not in ("profile", "counter"))
+                and imp.error_model.get("type") not in _NOT_IN_KERNEL)
 
     def _start_one(self, spec: EngineSpec) -> EngineHandle:
         spec = prepared(spec)

@@ -51,11 +51,15 @@ def philox4x32(counter: np.ndarray, key: tuple[int, int], rounds: int = 10) -> n
     return np.stack([c0, c1, c2, c3], axis=1)
 
 
-def stream_key(link_seed: int, run_seed: int | None, direction: str, flow: str | tuple) -> tuple[int, int]:
-    """The Philox key of one stream: BLAKE2b-64 of (link seed, run seed or None, direction, flow identity)."""
-    ident = repr((int(link_seed), None if run_seed is None else int(run_seed), str(direction), flow)).encode()
-    d = hashlib.blake2b(ident, digest_size=8).digest()
+def _key(ident: tuple) -> tuple[int, int]:
+    """A Philox key: BLAKE2b-64 of the identity's repr, as two 32-bit words."""
+    d = hashlib.blake2b(repr(ident).encode(), digest_size=8).digest()
     return int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")
+
+
+def stream_key(link_seed: int, run_seed: int | None, direction: str, flow: str | tuple) -> tuple[int, int]:
+    """The Philox key of one stream: of (link seed, run seed or None, direction, flow identity)."""
+    return _key((int(link_seed), None if run_seed is None else int(run_seed), str(direction), flow))
 
 
 @lru_cache(maxsize=64)
@@ -76,29 +80,25 @@ def tail_table(ber: float) -> tuple[int, ...]:
 
 
 def key_of(*words: int) -> tuple[int, int]:
-    """A Philox key from any tuple of ints (an engine's seed and stream key): BLAKE2b-64 of their repr."""
-    d = hashlib.blake2b(repr(tuple(int(w) for w in words)).encode(), digest_size=8).digest()
-    return int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")
+    """A Philox key from any tuple of ints (an engine's seed and stream key)."""
+    return _key(tuple(int(w) for w in words))
 
 
-def _count_words(key: tuple[int, int], ber: float, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(counts, words): the blocks' flip counts and their counter-0 Philox words."""
+def _count_words(key: tuple[int, int], ber: float, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(counts, words): the blocks' flip counts and their counter-0 Philox words (None where no block can flip)."""
     blocks = np.asarray(blocks, dtype=np.uint64)
     table = tail_table(ber)
+    if not table or blocks.size == 0:
+        return np.zeros(blocks.shape, dtype=np.int64), None
     ctr = np.zeros((blocks.size, 4), dtype=np.uint64)
     ctr[:, 0], ctr[:, 1] = blocks & _MASK32, blocks >> np.uint64(32)
     w = philox4x32(ctr, key)
-    if not table:
-        return np.zeros(blocks.shape, dtype=np.int64), w
     u = (w[:, 1] << np.uint64(32)) | w[:, 0]
     return (u[:, None] < np.array(table, dtype=np.uint64)[None, :]).sum(axis=1).astype(np.int64), w
 
 
 def block_counts(key: tuple[int, int], ber: float, blocks: np.ndarray) -> np.ndarray:
     """Flip counts of the given block indices (int64 array)."""
-    blocks = np.asarray(blocks, dtype=np.uint64)
-    if not tail_table(ber) or blocks.size == 0:
-        return np.zeros(blocks.shape, dtype=np.int64)
     return _count_words(key, ber, blocks)[0]
 
 

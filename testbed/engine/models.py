@@ -31,6 +31,8 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from testbed.engine import counterflips
+
 __all__ = [
     "BitErrorModel",
     "BernoulliModel",
@@ -494,8 +496,6 @@ class CounterModel:
         self.pos = int(pos)
 
     def flips(self, n_bits: int) -> np.ndarray:
-        from testbed.engine import counterflips
-
         f = counterflips.flips_bits(self.key, self._ber, self.pos, n_bits)
         start, self.pos = self.pos, self.pos + n_bits
         return f - start if f.size else EMPTY
@@ -561,8 +561,6 @@ def build_model(error_model: dict | None, ber: float, seed: int, *key: int):
     or a link profile's (a CodewordModel for FEC, Bernoulli at the pre-FEC BER for raw and retry)."""
     em = validate_error_model(error_model, ber)
     if em["type"] == "counter":
-        from testbed.engine import counterflips
-
         return CounterModel(ber, counterflips.key_of(seed, *key))
     rng = make_rng(seed, *key)
     if em["type"] == "bernoulli":

@@ -995,7 +995,8 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     md += coverage_lines(missing or {}, rows)
     # experiments with monitored points (docs/locate.md): their detection table and plot lead; [] otherwise
     md += locate_section(rows, _locate_plot_line(rows, out_dir))
-    md += linklayer_section(rows, out_dir, exp.get("point_timeout"))  # rows with link profiles (experiments/linklayer.yaml); [] otherwise
+    # rows with link profiles (experiments/linklayer.yaml); [] otherwise
+    md += linklayer_section(rows, out_dir, exp.get("point_timeout"))
     if faults:
         md += ["One link per faulty point carries its BER, so the theory's predictions (weight deviation, lost "
                "steps: every link at the point's BER) do not apply and their sections are left out.", ""]
