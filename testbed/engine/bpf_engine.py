@@ -1,4 +1,4 @@
-"""The bpf engine kind: the in-kernel tc program of testbed/engine/bpf (scopes payload and all, no process:
+"""The bpf engine kind: the in-kernel tc program of testbed/engine/bpf (scopes payload, all and tensor; no process:
 a handle's ``pid`` is 0 and ``handle.bpf`` says where it is pinned and attached). Its module (and clang,
 bpftool) is imported only when a bpf engine is used or asked about: the NFQUEUE path needs none of it."""
 
@@ -8,12 +8,11 @@ import sys
 import time
 
 from testbed.engine.base import Engine, EngineHandle, prepared, register_engine
-from testbed.engine.config import BPF_SCOPES, EngineSpec
+from testbed.engine.config import BPF_SCOPES, EngineSpec, bpf_problem
 
 # How many directions `start` loads at a time: a load is mostly the kernel's verifier (~0.17 s) working in the
 # loading thread.
 PARALLEL_LOADS = 4
-_NOT_IN_KERNEL = ("profile", "counter")  # error models the program does not draw (refusals says why)
 
 
 def _bpf():
@@ -75,21 +74,12 @@ class BpfEngine(Engine):
         return None
 
     def refusals(self, imp) -> list[tuple[str, str]]:
-        out = []
-        if imp.scope not in self.scopes:
-            out.append(("engine", f"engine bpf corrupts scopes {' and '.join(self.scopes)}; scope {imp.scope} needs "
-                                  f"engine nfqueue (or auto)"))
-        if imp.error_model.get("type") == "profile":
-            out.append(("engine", "engine bpf has no link profiles (codewords, dropped or replayed frames): "
-                                  "profile needs engine nfqueue (or auto)"))
-        if imp.error_model.get("type") == "counter":
-            out.append(("engine", "engine bpf does not draw counter-based flips yet: error_model counter needs "
-                                  "engine nfqueue (or auto)"))
-        return out
+        problem = bpf_problem(imp.scope, imp.checksum, imp.error_model, imp.ber or 0.0)
+        return [("engine", problem)] if problem else []
 
     def serves(self, imp, capture: dict | None, peer_netns: str) -> bool:
-        return (imp.scope in self.scopes and not capture and not (imp.checksum == "keep" and not peer_netns)
-                and imp.error_model.get("type") not in _NOT_IN_KERNEL)
+        return (not capture and not (imp.checksum == "keep" and not peer_netns)
+                and bpf_problem(imp.scope, imp.checksum, imp.error_model, imp.ber or 0.0) is None)
 
     def _start_one(self, spec: EngineSpec) -> EngineHandle:
         spec = prepared(spec)

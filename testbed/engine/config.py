@@ -14,9 +14,9 @@ from testbed.engine.protect import ELEMENTS, normalize_protect, protected_positi
 from testbed.vocab import CHECKSUM_MODES, ENGINES, SCOPES
 
 __all__ = ["EngineSpec", "EngineError", "SCOPES", "CHECKSUM_MODES", "HOOKS", "SETTABLE", "ENGINES", "BPF_SCOPES",
-           "BPF_MAX_PORTS"]
+           "BPF_MAX_PORTS", "bpf_problem"]
 
-BPF_SCOPES = ("payload", "all")
+BPF_SCOPES = ("payload", "all", "tensor")
 BPF_MAX_PORTS = 16
 HOOKS = ("egress", "ingress")
 # Settings `{"cmd": "set", ...}` may change live.
@@ -26,6 +26,39 @@ SETTABLE = ("ber", "error_model", "scope", "checksum", "seed", "collectives", "c
 
 class EngineError(RuntimeError):
     """An engine could not be started, changed or reached (re-exported by testbed.engine.manager)."""
+
+
+def bpf_problem(scope: str, checksum: str, error_model: dict | None, ber: float) -> str | None:
+    """Why the bpf engine cannot corrupt a direction with these settings (None: it can). Keyed flips (flips as a
+    pure function of stream position: scope tensor, or error_model counter) are TCP with checksum fix, Bernoulli
+    (bernoulli and counter are the same law; in keyed mode both are drawn by the counter function), and a count
+    table of at most counterflips.MAX_TAIL entries."""
+    kind = (error_model or {}).get("type", "bernoulli")
+    if scope not in BPF_SCOPES:
+        return f"the bpf engine corrupts scopes {', '.join(BPF_SCOPES)}, not {scope!r}"
+    if kind == "profile":
+        return ("engine bpf has no link profiles (codewords, dropped or replayed frames): profile needs engine "
+                "nfqueue (or auto)")
+    keyed = scope == "tensor" or kind == "counter"
+    if not keyed:
+        return None
+    what = "scope tensor" if scope == "tensor" else "error_model counter"
+    if scope == "all":
+        return "engine bpf draws error_model counter in scopes payload and tensor, not all (use engine nfqueue)"
+    if checksum != "fix":
+        return f"engine bpf draws {what} with checksum fix only (keep needs engine nfqueue)"
+    if kind not in ("bernoulli", "counter"):
+        return f"engine bpf draws {what} with error_model bernoulli or counter, not {kind} (use engine nfqueue)"
+    from testbed.engine import counterflips
+
+    try:
+        n = len(counterflips.tail_table(float(ber)))
+    except ValueError:
+        return None  # the BER's own check names it
+    if n > counterflips.MAX_TAIL:
+        return (f"engine bpf draws {what} up to a BER of about 1.2e-2 (a count table of {counterflips.MAX_TAIL} "
+                f"entries; BER {ber:g} needs {n}): use engine nfqueue")
+    return None
 
 
 @dataclass
@@ -110,9 +143,9 @@ class EngineSpec:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.engine != "bpf":
             return
-        if self.scope not in BPF_SCOPES:
-            raise ValueError(f"the bpf engine corrupts scopes {' and '.join(BPF_SCOPES)}; scope {self.scope!r} "
-                             f"needs engine nfqueue (the gloo stream tracker)")
+        problem = bpf_problem(self.scope, self.checksum, self.error_model, self.ber)
+        if problem:
+            raise ValueError(problem)
         if self.capture is not None:
             raise ValueError("capture (before/after pcaps) needs engine nfqueue")
         if len(self.control_ports) > BPF_MAX_PORTS:

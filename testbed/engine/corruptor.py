@@ -31,7 +31,7 @@ import numpy as np
 from testbed.engine.config import SETTABLE, EngineSpec
 from testbed.engine.flows import TCP_SYN, FlowState, FlowTable, flow_key_ints
 from testbed.engine.gloo import GlooStreamTracker, collective_codes
-from testbed.engine.models import OffsetKeyedFlips, build_model, profile_action
+from testbed.engine.models import TAG_FLOW, TAG_LINK, OffsetKeyedFlips, build_model, profile_action
 from testbed.engine.nfqueue import SKB_CSUMNOTREADY
 from testbed.engine.packet import (
     IPPROTO_TCP,
@@ -59,8 +59,6 @@ DROP = _Drop()
 log = logging.getLogger(__name__)
 
 # Seed-derivation tags, so the link model and the per-flow models never share a stream.
-_TAG_LINK = 1
-_TAG_FLOW = 2
 
 
 def _no_shift(_offset: int) -> int:
@@ -107,7 +105,7 @@ class Corruptor:
         self.counters = Counters(self.ber, self._protection())
         self.flows = FlowTable()
         self._generation = 0  # bumped when the model or seed changes: new streams for everything
-        self.link_model = self._build(_TAG_LINK)
+        self.link_model = self._build(TAG_LINK)
         self._update_mode()
 
     # -- settings ----------------------------------------------------------------------------------------------
@@ -183,7 +181,7 @@ class Corruptor:
             self.counters.new_epoch(self.ber, self._protection())
         if rebuild:
             self._generation += 1
-            self.link_model = self._build(_TAG_LINK)
+            self.link_model = self._build(TAG_LINK)
         elif ber_changed:
             self.link_model.set_ber(self.ber)
             for flow in self.flows.values():
@@ -198,7 +196,7 @@ class Corruptor:
         if restart:
             self._generation = 0
             self.flows = FlowTable()
-            self.link_model = self._build(_TAG_LINK)
+            self.link_model = self._build(TAG_LINK)
         return self.settings()
 
     def _settle_flows(self, old_scope: str, old_keyed: bool, old_tracks: bool, rebuild: bool, codes) -> None:
@@ -334,7 +332,7 @@ class Corruptor:
         okf = flow.okf
         if okf is None:
             number, ident = flow.identity()
-            okf = flow.okf = OffsetKeyedFlips(self._build(_TAG_FLOW, number, *flow_key_ints(ident)),
+            okf = flow.okf = OffsetKeyedFlips(self._build(TAG_FLOW, number, *flow_key_ints(ident)),
                                               start=flow.keyed_from << 3)
         forgotten = okf.forgotten_bits
         if ranges is None:  # payload scope, whole segment

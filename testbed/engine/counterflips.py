@@ -4,19 +4,25 @@ The packet-order generators of the engines draw flips in the order packets arriv
 boundary or a reordered segment moves every later flip. Here a flip is a function of (key, bit offset in the
 stream) and nothing else:
 
-- the key: two 32-bit words hashed (BLAKE2b) from the stream's identity, `stream_key(link_seed, run_seed,
-  direction, flow)`: the same identity gives the same key on every run and in every engine;
-- the stream is cut into blocks of BLOCK_BYTES (64) bytes by byte offset (the TCP sequence number relative to the
+- the key: two 32-bit words from the stream's identity: BLAKE2b of the engine's part (seed, tag, generation:
+  `key_of`, computed once per setting in userspace), then, for a flow, Philox of the flow's four identity words
+  under that key (`flow_key`: ordinal or connection number, the two addresses, the port pair), which a BPF program
+  computes per flow as well. The same identity gives the same key on every run and in every engine;
+- the stream is cut into blocks of BLOCK_BYTES (512) bytes by byte offset (the TCP sequence number relative to the
   flow's ISN, or the eligible-byte offset in scope tensor); block b's flips come from Philox4x32-10 (Salmon et al.,
   SC'11; checked against the Random123 known-answer vectors) at counter (b low, b high, j, 0), j = 0, 1, ...:
   - the count: a 64-bit uniform u (words 0 and 1 of counter j = 0) against the precomputed binomial tail table
-    of the BER: the block holds at least k flips iff u < floor(P(Binomial(512, ber) >= k) 2^64) (inverse CDF,
+    of the BER: the block holds at least k flips iff u < floor(P(Binomial(4096, ber) >= k) 2^64) (inverse CDF,
     integer compares only, so a BPF program can do the same);
   - the positions: the following words (2 and 3 of j = 0, then all four of j = 1, 2, ...), each taken mod 512,
     a position already drawn skipped (so the k positions are a uniform k-subset of the block's 512 bits).
   Per block: Binomial(512, ber) flips at uniform distinct positions, which is exactly independent flips of
   every bit with probability ber. A byte range's flips are the flips of the blocks it overlaps that fall inside
   it, so any cutting of a stream into segments gives the same flips, and a retransmission gets its original's.
+
+Why 512-byte blocks: one Philox call per block is the cost of a stretch without flips, which a BPF program pays
+per packet (128 calls for 64 KiB instead of 1,024 with 64-byte blocks); the count table stays short at the BERs
+of interest (14 entries at 1e-4, 106 at 1e-2: the program takes at most MAX_TAIL).
 
 Written by hand (numpy, vectorised over blocks) because the same arithmetic has to run in a BPF program: numpy's
 Philox is 4x64 and keyed differently, and no library exposes a per-position binomial draw.
@@ -29,12 +35,13 @@ from functools import lru_cache
 
 import numpy as np
 
-BLOCK_BYTES = 64
+BLOCK_BYTES = 512
 BLOCK_BITS = BLOCK_BYTES * 8
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32 = np.uint64(0xFFFFFFFF)
-_MAX_WORDS = 4 * 64  # position words a block may use (rejections included); tables cap the count far below
+_MAX_WORDS = 4 * 1024  # position words a block may use (rejections included); tables cap the count far below
+MAX_TAIL = 128  # the longest count table the BPF program takes (tail_table; BER up to ~1e-2)
 
 
 def philox4x32(counter: np.ndarray, key: tuple[int, int], rounds: int = 10) -> np.ndarray:
@@ -62,6 +69,21 @@ def stream_key(link_seed: int, run_seed: int | None, direction: str, flow: str |
     return _key((int(link_seed), None if run_seed is None else int(run_seed), str(direction), flow))
 
 
+def flow_key(base: tuple[int, int], words: tuple[int, int, int, int]) -> tuple[int, int]:
+    """A flow's key under an engine's key ``base``: words 0 and 1 of Philox4x32-10 of the flow's four 32-bit
+    identity words (what the BPF program computes per flow)."""
+    w = philox4x32(np.array([[int(x) & 0xFFFFFFFF for x in words]], dtype=np.uint64), base)[0]
+    return int(w[0]), int(w[1])
+
+
+def model_key(seed: int, *key: int) -> tuple[int, int]:
+    """The key of an engine's model: ``key_of(seed, tag, generation)``, and for a flow (four more words: its
+    number and the three words of its 12-byte identity) that key's ``flow_key``."""
+    if len(key) > 4:
+        return flow_key(key_of(seed, *key[:-4]), tuple(key[-4:]))
+    return key_of(seed, *key)
+
+
 @lru_cache(maxsize=64)
 def tail_table(ber: float) -> tuple[int, ...]:
     """(T_1, T_2, ...): T_k = floor(P(Binomial(BLOCK_BITS, ber) >= k) 2^64), down to the first 0 (a count that a
@@ -70,9 +92,10 @@ def tail_table(ber: float) -> tuple[int, ...]:
 
     if not 0 <= ber <= 1:
         raise ValueError(f"ber must be in [0, 1], got {ber!r}")
+    sf = stats.binom.sf(np.arange(BLOCK_BITS), BLOCK_BITS, ber)  # P(X >= k), k = 1 .. BLOCK_BITS
     out = []
-    for k in range(1, BLOCK_BITS + 1):
-        t = min(int(float(stats.binom.sf(k - 1, BLOCK_BITS, ber)) * 2.0 ** 64), 2 ** 64 - 1)
+    for p in sf.tolist():
+        t = min(int(float(p) * 2.0 ** 64), 2 ** 64 - 1)
         if t <= 0:
             break
         out.append(t)

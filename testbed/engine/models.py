@@ -35,6 +35,8 @@ from testbed.engine import counterflips
 
 __all__ = [
     "BitErrorModel",
+    "TAG_LINK",
+    "TAG_FLOW",
     "BernoulliModel",
     "GilbertElliottModel",
     "CodewordModel",
@@ -55,6 +57,12 @@ _MAX_CHUNK = 1 << 20  # gaps drawn per RNG call at most (bounds memory at high B
 # TCP flow must stay small for flows that carry little. Start small, double per refill, up to _MIN_CHUNK_MAX.
 _MIN_CHUNK_START = 64
 _MIN_CHUNK_MAX = 4096
+
+
+# What a model's seed is mixed with (``build_model(..., seed, tag, generation, *flow)``): the direction's
+# packet-order model, or a flow's offset-keyed one. The bpf engine derives its keys from the same tags.
+TAG_LINK = 1
+TAG_FLOW = 2
 
 
 def make_rng(seed: int, *key: int) -> np.random.Generator:
@@ -557,11 +565,11 @@ def profile_action(error_model: dict | None) -> str | None:
 
 def build_model(error_model: dict | None, ber: float, seed: int, *key: int):
     """The model an ``error_model`` config dict describes, seeded by (seed, *key): Bernoulli, counter (Bernoulli
-    as a pure function of position: CounterModel, keyed by BLAKE2b of (seed, *key)), Gilbert-Elliott,
+    as a pure function of position: CounterModel, keyed by ``counterflips.model_key(seed, *key)``), Gilbert-Elliott,
     or a link profile's (a CodewordModel for FEC, Bernoulli at the pre-FEC BER for raw and retry)."""
     em = validate_error_model(error_model, ber)
     if em["type"] == "counter":
-        return CounterModel(ber, counterflips.key_of(seed, *key))
+        return CounterModel(ber, counterflips.model_key(seed, *key))
     rng = make_rng(seed, *key)
     if em["type"] == "bernoulli":
         return BernoulliModel(ber, rng=rng)

@@ -45,7 +45,8 @@ __all__ = ["PREF", "start", "stop", "stats", "set_settings", "detach", "attach",
 
 PREF = 49152  # tc filter preference of the engine's filter (one per device and hook)
 _ZERO = b"\0\0\0\0"
-SETTINGS = ("ber", "error_model", "scope", "checksum", "seed", "control_ports")
+SETTINGS = ("ber", "error_model", "scope", "checksum", "seed", "control_ports", "collectives", "element", "protect",
+            "protected_ber")
 
 
 def _error(msg: str) -> Exception:
@@ -190,7 +191,8 @@ class _Maps:
 def _slot(version: int, s: dict, generation: int, new_epoch: bool) -> bytes:
     return maps.encode_cfg(version, ber=s["ber"], error_model=s["error_model"], seed=s["seed"], generation=generation,
                            scope=s["scope"], checksum=s["checksum"], control_ports=list(s["control_ports"]),
-                           new_epoch=new_epoch)
+                           new_epoch=new_epoch, collectives=s.get("collectives"), element=s.get("element", "fp32"),
+                           protect=s.get("protect"), protected_ber=s.get("protected_ber", 0.0))
 
 
 @contextmanager
@@ -289,7 +291,9 @@ def _load(obj: Path, pin_dir: Path) -> None:
 
 def settings_of(spec: EngineSpec) -> dict:
     return {"ber": float(spec.ber), "error_model": dict(spec.error_model), "scope": spec.scope,
-            "checksum": spec.checksum, "seed": int(spec.seed), "control_ports": sorted(spec.control_ports)}
+            "checksum": spec.checksum, "seed": int(spec.seed), "control_ports": sorted(spec.control_ports),
+            "collectives": None if spec.collectives is None else list(spec.collectives), "element": spec.element,
+            "protect": None if spec.protect is None else list(spec.protect), "protected_ber": float(spec.protected_ber)}
 
 
 def start(spec: EngineSpec) -> dict:
@@ -405,8 +409,13 @@ def _stats(spec: EngineSpec, side: dict, pin_dir: Path) -> dict:
         st = m.state()
         cn = m.counters()
         version = m.config_version()
-    s = side["settings"]
-    bits, flips = st["gen_pos"], st["gen_idx"]  # flips below gen_pos are all drawn: a consistent pair
+    s = {"collectives": None, "element": "fp32", "protect": None, "protected_ber": 0.0, **side["settings"]}
+    # flips below gen_pos are all drawn: a consistent pair; keyed flips (tb_keyed) count apart
+    bits, flips = st["gen_pos"] + st["kbits"], st["gen_idx"] + st["kflips"]
+    prot = None if not s["protect"] else {"element": s["element"], "protect": list(s["protect"]),
+                                          "protected_ber": s["protected_ber"]}
+    bits_exposed = bits - cn["bits_protected"]
+    flips_exposed = flips - cn["flips_protected"]
     epochs = []
     eps = st["epochs"]
     for i, ep in enumerate(eps):
@@ -429,11 +438,17 @@ def _stats(spec: EngineSpec, side: dict, pin_dir: Path) -> dict:
         "packets_modified": cn["packets_modified"], "packets_multiflip": cn["packets_multiflip"],
         "packets_unparsed": cn["packets_unparsed"], "unparsed_reasons": unparsed, "packets_truncated": 0,
         "packets_errors": cn["packets_errors"], "flows": cn["flows"], "flows_excluded": cn["flows_excluded"],
-        "flows_desynced": 0, "flows_midstream": 0, "retransmitted_bits": cn["retransmitted_bits"],
-        "retransmitted_flips": 0, "forgotten_bits": 0, "verdict_errors": 0,
-        "bits_protected": 0, "flips_protected": 0, "flips_corrected": 0, "flips_sign": 0, "flips_exponent": 0,
-        "flips_mantissa": 0, "bits_exposed": bits, "bits_flipped_exposed": flips, "exposed_ber": ratio,
-        "effective_ber": ratio, "protected_realized_ber": None, "epochs": epochs,
+        "flows_desynced": cn["flows_desynced"], "flows_midstream": cn["flows_midstream"],
+        "retransmitted_bits": cn["retransmitted_bits"],
+        "retransmitted_flips": cn["retransmitted_flips"], "forgotten_bits": 0, "verdict_errors": 0,
+        "bits_protected": cn["bits_protected"], "flips_protected": cn["flips_protected"],
+        "flips_corrected": cn["flips_corrected"], "flips_sign": cn["flips_sign"],
+        "flips_exponent": cn["flips_exponent"], "flips_mantissa": cn["flips_mantissa"],
+        "bits_exposed": bits_exposed, "bits_flipped_exposed": flips_exposed,
+        "exposed_ber": flips_exposed / bits_exposed if bits_exposed else None,
+        "effective_ber": ratio,
+        "protected_realized_ber": (cn["flips_protected"] / cn["bits_protected"]) if cn["bits_protected"] else None,
+        "epochs": epochs,
         # the bpf engine's own
         "packets_gso": cn["packets_gso"], "keep_gso_passed": cn["keep_gso_passed"],
         "ring_overruns": cn["ring_overruns"], "flips_on_checksum": cn["flips_on_checksum"],
@@ -441,13 +456,17 @@ def _stats(spec: EngineSpec, side: dict, pin_dir: Path) -> dict:
         "bits_gso": cn["bits_gso"], "flips_gso": cn["flips_gso"],
         "packets_unclone_failed": cn["packets_unclone_failed"], "hole_bits": cn["hole_bits"],
         "holes_lost": cn["holes_lost"], "bits_reserved": st["cursor"],
+        "keyed": maps.keyed(s["scope"], s["error_model"]), "desync_out_of_order": cn["desync_out_of_order"],
+        "stale_bits": cn["stale_bits"], "ranges_lost_bits": cn["ranges_lost_bits"], "header_bytes": cn["header_bytes"],
+        "frames": cn["frames"], "data_frames": cn["data_frames"], "kflows_lost": cn["kflows_lost"],
         "bad_sojourns": st["bad_sojourns"],
         "bad_sojourn_bits": st["bad_sojourn_bits"], "epochs_lost": st["epochs_lost"],
         "config_version": version, "config_applied": st["applied"],
         # settings and identity, as the NFQUEUE engine reports them
         "ber": s["ber"], "error_model": dict(s["error_model"]), "scope": s["scope"], "checksum": s["checksum"],
-        "seed": s["seed"], "collectives": None, "control_ports": list(s["control_ports"]), "element": "fp32",
-        "protect": None, "protected_ber": 0.0, "gso": s["checksum"] == "fix", "fail_open": False,
+        "seed": s["seed"], "collectives": s["collectives"], "control_ports": list(s["control_ports"]),
+        "element": s["element"], "protect": s["protect"], "protected_ber": s["protected_ber"],
+        "gso": s["checksum"] == "fix", "fail_open": False,
         "topology": spec.topology, "link": spec.link, "direction": spec.direction, "pid": 0, "netns": spec.netns,
         "iface": spec.iface, "hook": spec.hook, "queue_num": None, "attached": side.get("attach"),
         "tx_checksum_off": side.get("tx_off"), "pin_dir": str(pin_dir),
@@ -462,10 +481,6 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
     # restart (a warm sweep's next point): a new epoch. The program's flips are one stream per direction in
     # packet order (docs/engine.md, "Seeds and reproducibility"), so there is no fresh engine's stream to go back to
     restart = bool(settings.pop("restart", False))
-    for k, default in (("collectives", None), ("element", "fp32"), ("protect", None), ("protected_ber", 0.0)):
-        v = settings.pop(k, None)
-        if v not in (None, [], (), default, 0, 0.0):
-            raise _error(f"the bpf engine has no {k} (scope tensor only: use engine nfqueue)")
     unknown = set(settings) - set(SETTINGS)
     if unknown:
         raise _error(f"cannot set {sorted(unknown)} on a bpf engine; settable: {', '.join(SETTINGS)}")
@@ -477,6 +492,8 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
         try:
             probe = replace(spec, engine="bpf", ber=new["ber"], error_model=new["error_model"], scope=new["scope"],
                             checksum=new["checksum"], seed=new["seed"], control_ports=list(new["control_ports"]),
+                            collectives=new.get("collectives"), element=new.get("element", "fp32"),
+                            protect=new.get("protect"), protected_ber=new.get("protected_ber", 0.0),
                             capture=None).validate()
         except ValueError as e:
             raise _error(f"engine refused {settings}: {e}") from e
@@ -513,7 +530,7 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
             side["tx_off"] = None
         side.update(settings=new, version=version, generation=generation, set_at=time.time())
         write_json_atomic(side_path, side, indent=1)
-    return {**new, "collectives": None, "element": "fp32", "protect": None, "protected_ber": 0.0}
+    return dict(new)
 
 
 def detach_engine(spec: EngineSpec, rec: dict) -> None:

@@ -42,6 +42,8 @@
 #define GEN_PER_LOCK 4     /* flips or sojourn switches generated per lock section */
 #define APPLY_PER_STEP 4   /* flips applied per bpf_loop step (more events per step cost verifier time: 8 and 8 took 1 s to load) */
 #define MAX_STEPS (1 << 22)
+#define MAXTAIL 128        /* counterflips.MAX_TAIL */
+#define BLOCK_SHIFT 12     /* counterflips.BLOCK_BITS = 4096 */
 
 #define T_GOOD_FLIP 0
 #define T_BAD_FLIP 1
@@ -50,6 +52,7 @@
 
 #define SCOPE_PAYLOAD 0
 #define SCOPE_ALL 1
+#define SCOPE_TENSOR 2
 #define CSUM_FIX 0
 #define CSUM_KEEP 1
 
@@ -59,9 +62,13 @@ enum {
 	C_U_SHORT, C_U_NOT_IPV4, C_U_BAD_IHL, C_U_BAD_LENGTH, C_U_FRAGMENT, C_U_NOT_TCP_UDP, C_U_BAD_L4,
 	C_ERRORS, C_RETX_BITS, C_FLOWS, C_FLOWS_EXCLUDED, C_GSO, C_KEEP_GSO_PASSED, C_OVERRUNS,
 	C_FLIPS_ON_CSUM, C_FLIPS_APPLIED, C_SHARED, C_GSO_BITS, C_GSO_FLIPS, C_UNCLONE_FAILED, C_HOLE_BITS,
-	C_HOLES_LOST, C_N
+	C_HOLES_LOST,
+	/* keyed flips (tb_keyed) */
+	C_RETX_FLIPS, C_MIDSTREAM, C_DESYNCED, C_DESYNC_OOO, C_STALE_BITS, C_RANGES_LOST_BITS, C_BITS_PROTECTED,
+	C_FLIPS_PROTECTED, C_FLIPS_CORRECTED, C_FLIPS_SIGN, C_FLIPS_EXPONENT, C_FLIPS_MANTISSA, C_HEADER_BYTES,
+	C_FRAMES, C_DATA_FRAMES, C_KFLOWS_LOST, C_N
 };
-#define NCOUNTERS 32
+#define NCOUNTERS 64
 
 struct table {
 	__u64 ndig;   /* digits to draw (the rest have threshold 0) */
@@ -82,6 +89,20 @@ struct cfg {
 	__u64 nports;
 	__u64 ports[NPORTS];
 	struct table t[4];
+	/* keyed flips (tb_keyed, see there): flips as a pure function of (key, stream position) */
+	__u64 keyed;       /* 1: TCP (and UDP) flips by the counter function, not the sequential stream */
+	__u64 fk[2];       /* base key of flows: counterflips.key_of(seed, TAG_FLOW, generation) */
+	__u64 lk[2];       /* key of the direction's packet-order stream (UDP): key_of(seed, TAG_LINK, generation) */
+	__u64 codes;       /* scope tensor: bit c set = payload of collective slot code c eligible */
+	__u64 vbits;       /* element bits (32 fp32, 16 bf16/fp16) */
+	__u64 pmask;       /* engine-bit slots (MSB first within each byte) that are protected */
+	__u64 smask;       /* ... that hold the sign */
+	__u64 emask;       /* ... that hold the exponent */
+	__u64 resid;       /* a flip on a protected slot is kept iff hash >> 11 < resid (2^53: all) */
+	__u64 salt_seed;   /* the engine's seed, for the residual decisions' flow salt */
+	__u64 max_frame;   /* largest data frame gloo may send (the tracker's max_frame_bytes) */
+	__u64 ntail;       /* count table: the block holds >= k flips iff u < tail[k-1] */
+	__u64 tail[MAXTAIL];
 };
 
 struct config {
@@ -116,6 +137,9 @@ struct state {
 	__u64 bad_sojourn_bits;
 	__u64 nepochs;
 	struct epoch epochs[NEPOCHS];
+	__u64 kbits;       /* keyed flips: eligible bits seen (first transmissions), flips drawn on them */
+	__u64 kflips;
+	__u64 ucursor;     /* keyed flips: the packet-order stream position of UDP payload (bits) */
 };
 
 struct ring {
@@ -228,13 +252,15 @@ struct {
  * queue), so the writes live there and not in tb_flip, which every packet runs. */
 int tb_apply(struct __sk_buff *skb);
 
+int tb_keyed(struct __sk_buff *skb);
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__uint(key_size, sizeof(__u32));
 	__array(values, int (void *));
 } tb_progs SEC(".maps") = {
-	.values = { [0] = (void *)&tb_apply },
+	.values = { [0] = (void *)&tb_apply, [1] = (void *)&tb_keyed },
 };
 
 #define READ_ONCE(x) (*(volatile typeof(x) *)&(x))
@@ -601,6 +627,737 @@ static __always_inline void new_range(struct flow *fl, struct counters *cn, __u3
 	}
 }
 
+/* ---- Keyed flips: a pure function of (key, stream position) (docs/engine.md, "Keyed flips") -------------------
+ *
+ * With cfg.keyed, TCP flips are not drawn from the sequential stream but computed, as in
+ * testbed/engine/counterflips.py: per block of 4096 bits of a flow's stream (by byte offset from the ISN, or by
+ * eligible-byte offset in scope tensor), Philox4x32-10 under the flow's key at counter (block, 0, j, 0) gives
+ * the block's flip count (inverse CDF against the binomial tail table) and its positions (further words mod
+ * 4096, repeats skipped). A flow's key is Philox of its identity words (ordinal among the open connections of
+ * its address pair, the two addresses, 0: the NFQUEUE engine's FlowState.identity) under the engine's base key.
+ * So a retransmission gets its original's flips, segment boundaries do not matter, and the NFQUEUE engine with
+ * error_model counter gives the same flips for the same stream.
+ *
+ * Scope tensor follows gloo's framing per flow (testbed/engine/gloo.py's GlooStreamTracker, same rules): the
+ * initiator's 8-byte handshake, then 48-byte headers (a header split across segments is gathered in the flow),
+ * data frames' payload eligible when their collective code is in cfg.codes. In-order bytes are parsed; bytes
+ * sent again are answered from a record of the last NREC eligible frames (older ones pass clean, counted as
+ * stale); a segment beyond the parsed frontier, or a header gloo would not write, desyncs the flow for good
+ * (fail closed: its packets pass clean, counted). No direct packet writes here (no unclone prologue): flips
+ * go through bpf_skb_load_bytes/bpf_skb_store_bytes, which make a cloned skb private only when they write. */
+#define NREC 16
+#define NRANGES 32
+#define MAX_WORDS_J 1024   /* Philox calls a block may use for positions (repeats included) */
+#define KF_BASE 1
+#define KF_SYN 2           /* the SYN passed here: ordinal and tracker valid */
+#define KF_INIT 4          /* the initiator's direction (SYN without ACK): starts with the handshake */
+#define KF_DESYNC 8
+#define KF_CLOSED 16
+#define KF_MID_COUNTED 32
+#define KF_ORD 64          /* holds its ordinal in tb_pairs */
+#define ST_HANDSHAKE 0
+#define ST_HEADER 1
+#define ST_PAYLOAD 2
+
+struct krec {
+	__u64 s, e, origin, shift;
+};
+
+struct kflow {
+	__u32 base, flags, ordinal, state;
+	__u64 top;         /* highest stream offset seen (exclusive) */
+	__u64 frontier;    /* scope tensor: bytes [0, frontier) parsed */
+	__u64 pay_end, origin, shift, elig, horizon;
+	__u32 need, hlen, pay_ok, nrec;
+	__u8 hbuf[64];
+	struct krec rec[NREC];
+};
+
+struct pair_key {
+	__u32 saddr, daddr;
+};
+
+struct krange {
+	__u64 s, e, origin, shift, retx;
+};
+
+struct kx {
+	struct flow_key k;
+	__u64 ver;
+	__u64 off;         /* stream offset of the payload's first byte */
+	__u32 l3, l4, pay, plen, csum_off, udp, seq, tflags;
+	__u32 k0, k1;      /* the flow's key */
+	__u64 salt;        /* the flow's salt for residual decisions */
+	__u32 nr, ri, pp, started;
+	struct krange r[NRANGES];
+	__u64 blk, blk_end, ke, ke_end, base_byte;
+	__u32 need, npos, wj, err;
+	__u64 d_l4, flips, retx_flips, applied, newbits;
+	__u64 f_prot, f_corr, f_sign, f_exp, f_mant;
+	__u16 pos[MAXTAIL];
+	__u64 bm[64];      /* the block's positions drawn so far (repeats are skipped) */
+	__u8 tmp[64];
+	struct kflow blank;  /* never written: a new flow's value (too large for the stack) */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct kx);
+} tb_kscratch SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, struct flow_key);
+	__type(value, struct kflow);
+} tb_kflows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, struct pair_key);
+	__type(value, __u64);
+} tb_pairs SEC(".maps");
+
+/* Philox4x32-10 (Salmon et al., SC'11) at counter (blk low, blk high, j, c3): counterflips.philox4x32 */
+static __always_inline void philox(__u32 w[4], __u64 blk, __u32 j, __u32 c3, __u32 k0, __u32 k1)
+{
+	__u32 c0 = (__u32)blk, c1 = (__u32)(blk >> 32), c2 = j;
+
+#pragma clang loop unroll(full)
+	for (int r = 0; r < 10; r++) {
+		__u64 p0 = (__u64)0xD2511F53 * c0, p1 = (__u64)0xCD9E8D57 * c2;
+		__u32 n0 = (__u32)(p1 >> 32) ^ c1 ^ k0, n2 = (__u32)(p0 >> 32) ^ c3 ^ k1;
+
+		c1 = (__u32)p1;
+		c3 = (__u32)p0;
+		c0 = n0;
+		c2 = n2;
+		k0 += 0x9E3779B9;
+		k1 += 0xBB67AE85;
+	}
+	w[0] = c0;
+	w[1] = c1;
+	w[2] = c2;
+	w[3] = c3;
+}
+
+static __always_inline __u64 mix64p(__u64 x)  /* protect._mix64: splitmix64's increment and finalizer */
+{
+	return mix64(x + 0x9e3779b97f4a7c15ULL);
+}
+
+/* the lowest ordinal not held by another open connection of the address pair (FlowTable.number) */
+static __always_inline __u32 take_ordinal(struct flow_key *k)
+{
+	struct pair_key pk = {.saddr = k->saddr, .daddr = k->daddr};
+	__u64 *held = bpf_map_lookup_elem(&tb_pairs, &pk), zero = 0;
+	__u32 i;
+
+	if (!held) {
+		bpf_map_update_elem(&tb_pairs, &pk, &zero, BPF_NOEXIST);
+		held = bpf_map_lookup_elem(&tb_pairs, &pk);
+		if (!held)
+			return 63;
+	}
+	for (i = 0; i < 63; i++)
+		if (!((*held >> i) & 1))
+			break;
+	__sync_fetch_and_or(held, 1ULL << i);
+	return i;
+}
+
+static __always_inline void release_ordinal(struct flow_key *k, struct kflow *fl)
+{
+	struct pair_key pk = {.saddr = k->saddr, .daddr = k->daddr};
+	__u64 *held;
+
+	if (!(fl->flags & KF_ORD))
+		return;
+	fl->flags &= ~KF_ORD;
+	held = bpf_map_lookup_elem(&tb_pairs, &pk);
+	if (held && fl->ordinal < 63)
+		__sync_fetch_and_and(held, ~(1ULL << fl->ordinal));
+}
+
+static __always_inline void add_range(struct kx *x, struct counters *cn, __u64 s, __u64 e, __u64 origin, __u64 shift,
+				      __u64 retx)
+{
+	__u32 n = x->nr;
+	struct krange *r;
+
+	if (n >= NRANGES) {  /* more eligible pieces than a packet's scratch holds: they pass clean, counted */
+		cn->v[C_RANGES_LOST_BITS] += (e - s) << 3;
+		return;
+	}
+	r = &x->r[n & (NRANGES - 1)];
+	r->s = s;
+	r->e = e;
+	r->origin = origin;
+	r->shift = shift;
+	r->retx = retx;
+	x->nr = n + 1;
+}
+
+/* Bytes [a, b) below the frontier, sent again: the eligible pieces of the recorded frames */
+static __always_inline void lookup(struct kx *x, struct kflow *fl, struct counters *cn, __u64 a, __u64 b)
+{
+	__u32 n = fl->nrec;
+
+	if (a < fl->horizon) {
+		__u64 cut = b < fl->horizon ? b : fl->horizon;
+
+		cn->v[C_STALE_BITS] += (cut - a) << 3;
+		a = cut;
+	}
+	if (a >= b)
+		return;
+	for (int i = 0; i < NREC; i++) {
+		struct krec *r = &fl->rec[i];
+		__u64 s, e;
+
+		if (i >= n)
+			break;
+		s = r->s > a ? r->s : a;
+		e = r->e < b ? r->e : b;
+		if (s < e)
+			add_range(x, cn, s, e, r->origin, r->shift, 1);
+	}
+}
+
+struct kctx {
+	struct __sk_buff *skb;
+};
+
+/* the loop steps' maps (map value pointers do not survive the loop's context: looked up per step) */
+#define KSTEP_MAPS(kc)                                                                        \
+	__u32 zero = 0;                                                                      \
+	struct kx *x = bpf_map_lookup_elem(&tb_kscratch, &zero);                              \
+	struct config *cf = bpf_map_lookup_elem(&tb_config, &zero);                           \
+	struct counters *cn = bpf_map_lookup_elem(&tb_counters, &zero);                       \
+	struct cfg *c;                                                                       \
+	if (!x || !cf || !cn)                                                                \
+		return 1;                                                                    \
+	c = &cf->slot[x->ver & (NSLOTS - 1)];
+
+static __always_inline __u64 le64(struct kflow *fl, int i)
+{
+	__u64 v;
+
+	__builtin_memcpy(&v, &fl->hbuf[(i * 8) & 63], 8);
+	return v;
+}
+
+/* gloo.header_problem: 0 when gloo (as torch uses it) may write this header */
+static __always_inline int bad_header(struct kflow *fl, struct cfg *c)
+{
+	__u64 nbytes = le64(fl, 0), opcode = le64(fl, 1), slot = le64(fl, 2), offset = le64(fl, 3);
+	__u64 length = le64(fl, 4), roffset = le64(fl, 5), code = slot >> 56;
+
+	if (opcode == 0 || opcode == 1) {
+		if (nbytes != 48 + length || length > c->max_frame)
+			return 1;
+		if (opcode == 1 && (offset || roffset))
+			return 1;
+		if (opcode == 0 && (offset >= (1ULL << 48) || roffset >= (1ULL << 48)))
+			return 1;
+	} else if (opcode == 2 || opcode == 3) {
+		if (nbytes != 48 || offset || roffset || length >= (1ULL << 48))
+			return 1;
+	} else {
+		return 1;
+	}
+	if (code == 0)
+		return (slot >> 32) != 0;
+	if (code <= 8)
+		return (slot & (0xFFFFULL << 8)) != 0;
+	return 1;
+}
+
+/* One step of the tracker over the packet's payload (GlooStreamTracker._parse): a piece of a frame's payload,
+ * or (part of) a handshake or header. Returns 1 when the packet is done. */
+static long kparse(__u64 i, void *arg)
+{
+	struct kctx *kc = arg;
+	KSTEP_MAPS(kc)
+	struct kflow *fl = bpf_map_lookup_elem(&tb_kflows, &x->k);
+	__u64 f, take;
+	__u32 pp = x->pp, rem, need, hlen, tk;
+
+	if (!fl)
+		return 1;
+	f = fl->frontier;
+	if ((fl->flags & KF_DESYNC) || pp >= x->plen)
+		return 1;
+	rem = x->plen - pp;
+	if (fl->state == ST_PAYLOAD) {
+		take = fl->pay_end - f;
+		if (take > rem)
+			take = rem;
+		if (fl->pay_ok) {
+			add_range(x, cn, f, f + take, fl->origin, fl->shift, 0);
+			fl->elig += take;
+		}
+		f += take;
+		x->pp = pp + (__u32)take;
+		if (f == fl->pay_end) {
+			fl->state = ST_HEADER;
+			fl->need = 48;
+		}
+		fl->frontier = f;
+		return 0;
+	}
+	need = fl->need;
+	hlen = fl->hlen;
+	if (need > 48 || hlen >= need)
+		return 1;
+	tk = need - hlen;
+	if (tk > rem)
+		tk = rem;
+	if (tk < 1 || tk > 48)
+		return 1;
+	if (bpf_skb_load_bytes(kc->skb, x->pay + pp, x->tmp, tk)) {
+		x->err = 1;
+		return 1;
+	}
+	for (int j = 0; j < 48; j++) {
+		if (j >= tk)
+			break;
+		fl->hbuf[(hlen + j) & 63] = x->tmp[j & 63];
+	}
+	hlen += tk;
+	f += tk;
+	x->pp = pp + tk;
+	cn->v[C_HEADER_BYTES] += tk;
+	fl->frontier = f;
+	if (hlen < need) {
+		fl->hlen = hlen;
+		return 1;
+	}
+	fl->hlen = 0;
+	if (fl->state == ST_HANDSHAKE) {
+		if (le64(fl, 0) >= (1ULL << 31)) {  /* negative or too large: not gloo's sequence number */
+			fl->flags |= KF_DESYNC;
+			cn->v[C_DESYNCED] += 1;
+			return 1;
+		}
+		fl->state = ST_HEADER;
+		fl->need = 48;
+		return 0;
+	}
+	if (bad_header(fl, c)) {
+		fl->flags |= KF_DESYNC;
+		cn->v[C_DESYNCED] += 1;
+		return 1;
+	}
+	cn->v[C_FRAMES] += 1;
+	{
+		__u64 opcode = le64(fl, 1), length = le64(fl, 4), code = le64(fl, 2) >> 56, ok;
+
+		if (opcode > 1)
+			return 0;  /* a notification: no payload */
+		cn->v[C_DATA_FRAMES] += 1;
+		if (!length)
+			return 0;
+		ok = (c->codes >> (code & 63)) & 1;
+		fl->state = ST_PAYLOAD;
+		fl->pay_end = f + length;
+		fl->pay_ok = ok;
+		fl->origin = opcode == 0 ? f - le64(fl, 5) : f;
+		fl->shift = f - fl->elig;
+		if (ok) {
+			__u32 n = fl->nrec;
+			struct krec *r = &fl->rec[n & (NREC - 1)];
+
+			if (n >= NREC)
+				fl->horizon = r->e;  /* the oldest record goes: its bytes are stale from now on */
+			r->s = f;
+			r->e = f + length;
+			r->origin = fl->origin;
+			r->shift = fl->shift;
+			fl->nrec = n + 1;
+		}
+	}
+	return 0;
+}
+
+/* Apply flip q (an eligible bit offset of range r) to the packet, with protection and counters. */
+static __always_inline void kflip_at(struct __sk_buff *skb, struct kx *x, struct cfg *c, struct krange *r, __u64 q)
+{
+	__u64 within = q - x->ke, slot, fb, m, dd;
+	__u32 off;
+	__u8 mask = 0x80 >> (q & 7), b;
+
+	if (q < x->ke || q >= x->ke_end)
+		return;
+	if (c->pmask || c->smask || c->emask) {  /* scope tensor: the value grid (element) */
+		slot = (((r->s - r->origin) << 3) + within) & (c->vbits - 1) & 63;
+		if ((c->pmask >> slot) & 1) {
+			__u64 h = q * 0x9e3779b97f4a7c15ULL + x->salt;
+
+			h = mix64(h);
+			if ((h >> 11) >= c->resid) {
+				if (!r->retx)
+					x->f_corr++;
+				return;
+			}
+			if (!r->retx)
+				x->f_prot++;
+		}
+		if (!r->retx) {
+			fb = (c->smask >> slot) & 1;
+			if (fb)
+				x->f_sign++;
+			else if ((c->emask >> slot) & 1)
+				x->f_exp++;
+			else
+				x->f_mant++;
+		}
+	}
+	if (r->retx)
+		x->retx_flips++;
+	else
+		x->flips++;
+	off = x->pay + (__u32)(r->s - x->off) + (__u32)(within >> 3);
+	if (bpf_skb_load_bytes(skb, off, &b, 1)) {
+		x->err = 1;
+		return;
+	}
+	b ^= mask;
+	if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
+		x->err = 1;
+		return;
+	}
+	b ^= mask;  /* the byte before the flip */
+	m = (off & 1) ? ((__u64)mask << 8) : mask;
+	dd = (b & mask) ? (0xffff ^ m) : m;
+	x->applied++;
+	x->d_l4 += dd;
+}
+
+static __always_inline void next_block(struct kx *x, __u32 *bm_clear)
+{
+	*bm_clear = 1;
+	x->need = 0;
+	x->blk += 1;
+	if (x->blk > x->blk_end) {
+		x->ri += 1;
+		x->started = 0;
+	}
+}
+
+/* One step of the flip computation over the packet's eligible ranges: one Philox call (a block's count and
+ * first two positions, or four more positions) and the flips it yields. Returns 1 when every range is done. */
+static long kflips(__u64 i, void *arg)
+{
+	struct kctx *kc = arg;
+	KSTEP_MAPS(kc)
+	struct krange *r;
+	__u32 w[4], first, clear = 0;
+
+	if (x->ri >= x->nr || x->ri >= NRANGES)
+		return 1;
+	r = &x->r[x->ri & (NRANGES - 1)];
+	if (!x->started) {
+		x->ke = (r->s - r->shift) << 3;
+		x->ke_end = x->ke + ((r->e - r->s) << 3);
+		x->blk = x->ke >> BLOCK_SHIFT;
+		x->blk_end = (x->ke_end - 1) >> BLOCK_SHIFT;
+		x->started = 1;
+		x->need = 0;
+	}
+	if (x->need == 0) {
+		__u64 u, cnt = 0, nt = c->ntail;
+
+		philox(w, x->blk, 0, 0, x->k0, x->k1);
+		u = ((__u64)w[1] << 32) | w[0];
+		for (int k = 0; k < MAXTAIL; k++) {
+			if (k >= nt || u >= c->tail[k])
+				break;
+			cnt++;
+		}
+		if (!cnt) {
+			next_block(x, &clear);
+			return 0;
+		}
+		x->need = cnt;
+		x->npos = 0;
+		x->wj = 0;
+		first = 2;
+	} else {
+		x->wj += 1;
+		if (x->wj > MAX_WORDS_J) {  /* cannot happen with a table of MAXTAIL: a block left incomplete */
+			x->err = 1;
+			next_block(x, &clear);
+			goto cleanup;
+		}
+		philox(w, x->blk, x->wj, 0, x->k0, x->k1);
+		first = 0;
+	}
+#pragma clang loop unroll(full)
+	for (int j = 0; j < 4; j++) {
+		__u32 p, n;
+
+		if (j < first || !x->need)
+			continue;
+		p = w[j] & 4095;
+		if ((x->bm[(p >> 6) & 63] >> (p & 63)) & 1)
+			continue;  /* a repeat: skipped (the positions are a uniform subset) */
+		x->bm[(p >> 6) & 63] |= 1ULL << (p & 63);
+		n = x->npos;
+		x->pos[n & (MAXTAIL - 1)] = p;
+		x->npos = n + 1;
+		x->need -= 1;
+		kflip_at(kc->skb, x, c, r, (x->blk << BLOCK_SHIFT) + p);
+	}
+	if (!x->need)
+		next_block(x, &clear);
+cleanup:
+	if (clear) {
+		for (int j = 0; j < MAXTAIL; j++) {
+			__u32 p;
+
+			if (j >= x->npos)
+				break;
+			p = x->pos[j & (MAXTAIL - 1)];
+			x->bm[(p >> 6) & 63] = 0;
+		}
+		x->npos = 0;
+	}
+	return 0;
+}
+
+/* A new configuration in keyed mode: the slot switches at once (nothing of a stream to keep); the epoch log
+ * records where the eligible bits and flips stood. */
+static __always_inline void keyed_cfg(struct state *st, struct cfg *c, __u64 ver)
+{
+	__u64 now = bpf_ktime_get_boot_ns(), n;
+	struct epoch *ep;
+
+	bpf_spin_lock(&st->lock);
+	if (st->applied != ver) {
+		st->applied = ver;
+		st->slot = ver & (NSLOTS - 1);
+		n = st->nepochs;
+		if (!n || c->new_epoch) {
+			ep = &st->epochs[n & (NEPOCHS - 1)];
+			ep->version = ver;
+			ep->ber_bits = c->ber_bits;
+			ep->start_bits = st->gen_pos + st->kbits;
+			ep->start_flips = st->gen_idx + st->kflips;
+			ep->ktime = now;
+			st->nepochs = n + 1;
+		}
+	}
+	bpf_spin_unlock(&st->lock);
+}
+
+SEC("tc")
+int tb_keyed(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct config *cf = bpf_map_lookup_elem(&tb_config, &zero);
+	struct state *st = bpf_map_lookup_elem(&tb_state, &zero);
+	struct counters *cn = bpf_map_lookup_elem(&tb_counters, &zero);
+	struct kx *x = bpf_map_lookup_elem(&tb_kscratch, &zero);
+	struct kflow *fl;
+	struct cfg *c;
+	__u64 top0, end;
+	__s64 off;
+
+	if (!cf || !st || !cn || !x)
+		return TC_ACT_OK;
+	c = &cf->slot[x->ver & (NSLOTS - 1)];
+	if (READ_ONCE(st->applied) != x->ver)
+		keyed_cfg(st, c, x->ver);
+	x->nr = 0;
+	x->ri = 0;
+	x->started = 0;
+	x->need = 0;
+	x->npos = 0;
+	x->err = 0;
+	x->d_l4 = x->flips = x->retx_flips = x->applied = x->newbits = 0;
+	x->f_prot = x->f_corr = x->f_sign = x->f_exp = x->f_mant = 0;
+	if (x->udp) {  /* the direction's packet-order stream under the link key (the NFQUEUE engine's link model) */
+		if (c->scope == SCOPE_TENSOR || !x->plen)
+			return TC_ACT_OK;
+		x->k0 = (__u32)c->lk[0];
+		x->k1 = (__u32)c->lk[1];
+		x->salt = 0;
+		off = __sync_fetch_and_add(&st->ucursor, (__u64)x->plen << 3) >> 3;
+		x->off = off;
+		add_range(x, cn, off, off + x->plen, off, 0, 0);
+		goto flip;
+	}
+	fl = bpf_map_lookup_elem(&tb_kflows, &x->k);
+	if (!fl) {
+		bpf_map_update_elem(&tb_kflows, &x->k, &x->blank, BPF_NOEXIST);
+		fl = bpf_map_lookup_elem(&tb_kflows, &x->k);
+		if (!fl) {
+			cn->v[C_KFLOWS_LOST] += 1;
+			return TC_ACT_OK;
+		}
+	}
+	{
+		__u32 seq = x->seq, fg = x->tflags;
+
+		if (fg & 0x02) {  /* SYN (or SYN-ACK): a new stream after it */
+			__u32 isn = seq + 1;
+
+			if ((fl->flags & KF_BASE) && fl->base != isn) {  /* a new connection on the 4-tuple */
+				release_ordinal(&x->k, fl);
+				__builtin_memset(fl, 0, sizeof(*fl));
+			}
+			if (!(fl->flags & KF_BASE)) {
+				fl->base = isn;
+				fl->flags = KF_BASE | KF_SYN | KF_ORD | ((fg & 0x10) ? 0 : KF_INIT);
+				fl->ordinal = take_ordinal(&x->k);
+				fl->state = (fl->flags & KF_INIT) ? ST_HANDSHAKE : ST_HEADER;
+				fl->need = (fl->flags & KF_INIT) ? 8 : 48;
+			}
+			seq = isn;
+		} else if (!(fl->flags & KF_BASE)) {
+			fl->base = seq;
+			fl->flags |= KF_BASE;
+		}
+		if (fg & 0x05) {  /* FIN or RST: its ordinal is free for the next connection */
+			fl->flags |= KF_CLOSED;
+			release_ordinal(&x->k, fl);
+		}
+		if (!x->plen)
+			return TC_ACT_OK;
+		{  /* flows.unwrap_offset against the highest offset seen */
+			__s32 d = (__s32)(seq - fl->base - (__u32)fl->top);
+
+			off = (__s64)fl->top + d;
+		}
+	}
+	top0 = fl->top;
+	end = off + x->plen;
+	if ((__s64)end > (__s64)fl->top)
+		fl->top = end;
+	x->off = off;
+	if (fl->flags & KF_SYN) {  /* identity: ordinal, the two addresses, port pair 0 */
+		__u32 wd[4];
+		__u64 sa = bpf_ntohl(x->k.saddr), da = bpf_ntohl(x->k.daddr), xs;
+
+		philox(wd, (sa << 32) | fl->ordinal, da, 0, (__u32)c->fk[0], (__u32)c->fk[1]);
+		x->k0 = wd[0];
+		x->k1 = wd[1];
+		xs = mix64p(c->salt_seed);
+		xs = mix64p(xs ^ fl->ordinal);
+		x->salt = mix64p(xs ^ ((sa << 32) | da));
+	} else {  /* first seen mid-stream: connection 0, the 4-tuple */
+		__u32 wd[4];
+		__u64 sa = bpf_ntohl(x->k.saddr), da = bpf_ntohl(x->k.daddr);
+		__u32 pt = ((__u32)x->k.sport << 16) | x->k.dport;
+
+		if (c->scope == SCOPE_TENSOR) {  /* its framing is unknown: never corrupted */
+			if (!(fl->flags & KF_MID_COUNTED)) {
+				fl->flags |= KF_MID_COUNTED;
+				cn->v[C_MIDSTREAM] += 1;
+			}
+			return TC_ACT_OK;
+		}
+		philox(wd, sa << 32, da, pt, (__u32)c->fk[0], (__u32)c->fk[1]);
+		x->k0 = wd[0];
+		x->k1 = wd[1];
+		x->salt = 0;
+	}
+	if (c->scope == SCOPE_TENSOR) {
+		__u64 f = fl->frontier;
+
+		if (fl->flags & KF_DESYNC)
+			return TC_ACT_OK;
+		if ((__s64)off < 0)
+			return TC_ACT_OK;
+		if (off < f)  /* (partly) sent before: the record answers */
+			lookup(x, fl, cn, off, end < f ? end : f);
+		if (end > f) {
+			if (off > f) {  /* beyond a gap: cannot be parsed here; fail closed for good */
+				fl->flags |= KF_DESYNC;
+				cn->v[C_DESYNCED] += 1;
+				cn->v[C_DESYNC_OOO] += 1;
+				return TC_ACT_OK;
+			}
+			x->pp = (__u32)(f - off);
+			struct kctx kc = {.skb = skb};
+
+			bpf_loop(4096, kparse, &kc, 0);
+		}
+	} else {  /* payload: the stream offset is the counter; bytes below the highest seen are sent again */
+		__u64 s = (__s64)off < 0 ? 0 : off;
+
+		if ((__s64)end <= 0)
+			return TC_ACT_OK;
+		if (s < top0) {
+			__u64 e1 = end < top0 ? end : top0;
+
+			add_range(x, cn, s, e1, s, 0, 1);
+			s = e1;
+		}
+		if (s < end)
+			add_range(x, cn, s, end, s, 0, 0);
+	}
+flip:
+	if (!x->nr)
+		return TC_ACT_OK;
+	if (c->ntail) {
+		struct kctx kc = {.skb = skb};
+
+		bpf_loop(1 << 20, kflips, &kc, 0);
+	}
+	for (int j = 0; j < NRANGES; j++) {  /* bits seen, sent again, protected (BitLayout.protected_bits) */
+		struct krange *r = &x->r[j & (NRANGES - 1)];
+		__u64 nb, g, full, rem, vb = c->vbits & 63, pm = c->pmask, m2;
+
+		if (j >= x->nr)
+			break;
+		nb = (r->e - r->s) << 3;
+		if (r->retx) {
+			cn->v[C_RETX_BITS] += nb;
+			continue;
+		}
+		x->newbits += nb;
+		if (pm && vb) {
+			g = ((r->s - r->origin) << 3) & (vb - 1);
+			full = nb / vb;
+			rem = nb - full * vb;
+			m2 = (pm | (pm << vb)) >> g;
+			m2 &= rem >= 64 ? ~0ULL : ((1ULL << rem) - 1);
+			cn->v[C_BITS_PROTECTED] += full * __builtin_popcountll(pm) + __builtin_popcountll(m2);
+		}
+	}
+	__sync_fetch_and_add(&st->kbits, x->newbits);
+	if (x->flips)
+		__sync_fetch_and_add(&st->kflips, x->flips);
+	cn->v[C_RETX_FLIPS] += x->retx_flips;
+	cn->v[C_FLIPS_PROTECTED] += x->f_prot;
+	cn->v[C_FLIPS_CORRECTED] += x->f_corr;
+	cn->v[C_FLIPS_SIGN] += x->f_sign;
+	cn->v[C_FLIPS_EXPONENT] += x->f_exp;
+	cn->v[C_FLIPS_MANTISSA] += x->f_mant;
+	if (x->err)
+		cn->v[C_ERRORS] += 1;
+	if (!x->applied)
+		return TC_ACT_OK;
+	cn->v[C_MODIFIED] += 1;
+	if (x->applied > 1)
+		cn->v[C_MULTIFLIP] += 1;
+	cn->v[C_FLIPS_APPLIED] += x->applied;
+	if (skb->gso_size)
+		cn->v[C_GSO_FLIPS] += x->flips;
+	{
+		__u64 f = x->udp ? BPF_F_MARK_MANGLED_0 : 0, d = fold(x->d_l4);
+
+		if (d && d != 0xffff)
+			bpf_l4_csum_replace(skb, x->csum_off, 0, (__u32)d, f);
+	}
+	return TC_ACT_OK;
+}
+
 SEC("tc")
 int tb_flip(struct __sk_buff *skb)
 {
@@ -696,6 +1453,27 @@ int tb_flip(struct __sk_buff *skb)
 				fl->flags |= F_EXCLUDED_COUNTED;
 				cn->v[C_FLOWS_EXCLUDED] += 1;
 			}
+			return TC_ACT_OK;
+		}
+		if (c->keyed) {  /* flips as a pure function of position: tb_keyed */
+			struct kx *x = bpf_map_lookup_elem(&tb_kscratch, &zero);
+
+			if (!x) {
+				cn->v[C_ERRORS] += 1;
+				return TC_ACT_OK;
+			}
+			x->k = k;
+			x->l3 = l3;
+			x->l4 = l3 + ihl;
+			x->pay = l3 + ihl + l4h;
+			x->plen = total - ihl - l4h;
+			x->csum_off = csum_off;
+			x->udp = udp;
+			x->seq = ((__u32)t[4] << 24) | ((__u32)t[5] << 16) | ((__u32)t[6] << 8) | t[7];
+			x->tflags = udp ? 0 : t[13];
+			x->ver = ver;
+			bpf_tail_call(skb, &tb_progs, 1);
+			cn->v[C_ERRORS] += 1;
 			return TC_ACT_OK;
 		}
 		if (fl && !udp && c->skip_retx && c->scope == SCOPE_PAYLOAD) {

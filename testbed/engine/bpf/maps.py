@@ -18,7 +18,7 @@ import struct
 
 __all__ = ["NSLOTS", "NDIG", "NPORTS", "NEPOCHS", "SCOPES", "CHECKSUMS", "COUNTERS", "UNPARSED", "gap_table",
            "model_tables", "encode_cfg", "config_value", "decode_config_version", "decode_state", "sum_counters",
-           "CONFIG_SIZE", "STATE_SIZE", "COUNTERS_SIZE"]
+           "CONFIG_SIZE", "STATE_SIZE", "COUNTERS_SIZE", "keyed", "keyed_words"]
 
 NSLOTS = 8
 NDIG = 64
@@ -26,7 +26,7 @@ NPORTS = 16
 NEPOCHS = 64
 RING = 1 << 16
 NEVER = 1 << 62
-SCOPES = {"payload": 0, "all": 1}
+SCOPES = {"payload": 0, "all": 1, "tensor": 2}
 CHECKSUMS = {"fix": 0, "keep": 1}
 T_GOOD_FLIP, T_BAD_FLIP, T_GOOD_LEN, T_BAD_LEN = range(4)
 
@@ -35,18 +35,25 @@ COUNTERS = ("packets", "bytes", "packets_modified", "packets_multiflip", "packet
             "u_short", "u_not_ipv4", "u_bad_ihl", "u_bad_length", "u_fragment", "u_not_tcp_udp", "u_bad_l4_header",
             "packets_errors", "retransmitted_bits", "flows", "flows_excluded", "packets_gso", "keep_gso_passed",
             "ring_overruns", "flips_on_checksum", "flips_applied", "ring_shared", "bits_gso", "flips_gso",
-            "packets_unclone_failed", "hole_bits", "holes_lost")
+            "packets_unclone_failed", "hole_bits", "holes_lost",
+            # keyed flips (tb_keyed)
+            "retransmitted_flips", "flows_midstream", "flows_desynced", "desync_out_of_order", "stale_bits",
+            "ranges_lost_bits", "bits_protected", "flips_protected", "flips_corrected", "flips_sign", "flips_exponent",
+            "flips_mantissa", "header_bytes", "frames", "data_frames", "kflows_lost")
 UNPARSED = {"u_short": "short", "u_not_ipv4": "not_ipv4", "u_bad_ihl": "bad_ihl", "u_bad_length": "bad_length",
             "u_fragment": "fragment", "u_not_tcp_udp": "not_tcp_udp", "u_bad_l4_header": "bad_l4_header"}
-NCOUNTERS = 32
+NCOUNTERS = 64
+MAXTAIL = 128  # flip.c MAXTAIL = counterflips.MAX_TAIL
 
 _TABLE_WORDS = 2 + NDIG
-_CFG_WORDS = 10 + NPORTS + 4 * _TABLE_WORDS
+_KEYED_WORDS = 14 + MAXTAIL  # keyed, fk[2], lk[2], codes, vbits, pmask, smask, emask, resid, salt_seed, max_frame, ntail, tail
+_CFG_WORDS = 10 + NPORTS + 4 * _TABLE_WORDS + _KEYED_WORDS
 CONFIG_SIZE = 8 * (2 + NSLOTS * _CFG_WORDS)
 _STATE_HEAD = ("applied", "slot", "generation", "rng", "cursor", "gen_pos", "gen_idx", "next_flip", "bad",
                "soj_start", "soj_end", "bad_sojourns", "bad_sojourn_bits", "nepochs")
 _EPOCH = ("version", "ber_bits", "start_bits", "start_flips", "ktime")
-STATE_SIZE = 8 + 8 * len(_STATE_HEAD) + 8 * len(_EPOCH) * NEPOCHS
+_STATE_TAIL = ("kbits", "kflips", "ucursor")
+STATE_SIZE = 8 + 8 * len(_STATE_HEAD) + 8 * len(_EPOCH) * NEPOCHS + 8 * len(_STATE_TAIL)
 COUNTERS_SIZE = 8 * NCOUNTERS
 _U64_MAX = (1 << 64) - 1
 
@@ -87,18 +94,58 @@ def model_tables(error_model: dict, ber: float) -> tuple[list, int]:
     return tables, min(_U64_MAX, int(round(pi_b * 2.0 ** 64)))
 
 
+def keyed(scope: str, error_model: dict) -> bool:
+    """Whether flips are drawn as a pure function of position (tb_keyed): scope tensor, or error_model counter."""
+    return scope == "tensor" or (error_model or {}).get("type") == "counter"
+
+
+def keyed_words(*, ber: float, seed: int, generation: int, scope: str, collectives=None, element: str = "fp32",
+                protect=None, protected_ber: float = 0.0) -> list[int]:
+    """The keyed part of a `struct cfg` slot: the engine's keys (as the NFQUEUE engine's CounterModel derives
+    them), the tensor scope's filter and value layout, the count table."""
+    from testbed.engine import counterflips
+    from testbed.engine.gloo import COLLECTIVE_CODES, collective_codes
+    from testbed.engine.models import TAG_FLOW, TAG_LINK
+    from testbed.engine.protect import BitLayout
+
+    codes = collective_codes(collectives)
+    mask = sum(1 << c for c in (COLLECTIVE_CODES if codes is None else codes))
+    layout = BitLayout(element, protect)
+    slots = range(layout.bits)
+    pmask = sum(1 << b for b in slots if layout.protected[b])
+    smask = sum(1 << b for b in slots if layout.field[b] == 0)
+    emask = sum(1 << b for b in slots if layout.field[b] == 1)
+    fraction = float(protected_ber) / float(ber) if (layout.any and protected_ber and ber) else 0.0
+    resid = 1 << 53 if fraction >= 1.0 else int(fraction * (1 << 53))
+    table = counterflips.tail_table(float(ber))
+    if len(table) > MAXTAIL:
+        raise ValueError(f"BER {ber:g} needs a count table of {len(table)} entries (the program takes {MAXTAIL})")
+    fk = counterflips.key_of(seed, TAG_FLOW, generation)
+    lk = counterflips.key_of(seed, TAG_LINK, generation)
+    words = [1, fk[0], fk[1], lk[0], lk[1], mask, layout.bits, pmask, smask if scope == "tensor" else 0,
+             emask if scope == "tensor" else 0, resid, int(seed) & _U64_MAX, 1 << 31, len(table)]
+    return words + list(table) + [0] * (MAXTAIL - len(table))
+
+
 def encode_cfg(version: int, *, ber: float, error_model: dict, seed: int, generation: int, scope: str,
-               checksum: str, control_ports: list[int], new_epoch: bool = True) -> bytes:
+               checksum: str, control_ports: list[int], new_epoch: bool = True, collectives=None,
+               element: str = "fp32", protect=None, protected_ber: float = 0.0) -> bytes:
     """One `struct cfg` slot."""
     if len(control_ports) > NPORTS:
         raise ValueError(f"the bpf engine takes at most {NPORTS} control ports, got {len(control_ports)}")
-    tables, pi_bad = model_tables(error_model, ber)
+    is_keyed = keyed(scope, error_model)
+    tables, pi_bad = model_tables({"type": "bernoulli"} if is_keyed else error_model, ber)
     skip_retx = 1 if (scope == "payload" and checksum == "fix") else 0
     words = [version, struct.unpack("<Q", struct.pack("<d", float(ber)))[0], generation, int(seed) & _U64_MAX,
              SCOPES[scope], CHECKSUMS[checksum], skip_retx, pi_bad, int(bool(new_epoch)), len(control_ports)]
     words += [int(p) for p in control_ports] + [0] * (NPORTS - len(control_ports))
     for ndig, never, thr in tables:
         words += [ndig, never, *thr]
+    if is_keyed:
+        words += keyed_words(ber=ber, seed=seed, generation=generation, scope=scope, collectives=collectives,
+                             element=element, protect=protect, protected_ber=protected_ber)
+    else:
+        words += [0] * _KEYED_WORDS
     assert len(words) == _CFG_WORDS
     return struct.pack(f"<{_CFG_WORDS}Q", *words)
 
@@ -137,6 +184,8 @@ def decode_state(value: bytes) -> dict:
         eps.append(ep)
     d["epochs"] = eps
     d["epochs_lost"] = first
+    d.update(zip(_STATE_TAIL, struct.unpack_from(f"<{len(_STATE_TAIL)}Q", value,
+                                                 base + 8 * len(_EPOCH) * NEPOCHS)))
     return d
 
 
