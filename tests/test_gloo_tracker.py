@@ -765,3 +765,176 @@ def test_hot_path_is_cheap(dirs):
     assert t.frontier == b
     print(f"hot path, eligible_aligned: {aligned * 1e6:.2f} us per segment")
     assert aligned < 50e-6
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The same rows against the bpf engine's tracker (flip.c, tb_keyed), replayed through the loaded program
+# --------------------------------------------------------------------------------------------------------------
+# The recorded directions are fed, packet by packet, to the bpf program (BPF_PROG_TEST_RUN: the real program,
+# maps and helpers, attached nowhere) and to the NFQUEUE engine's corruptor, both in scope tensor with
+# error_model counter at a BER high enough to flip bits in most frames: equal streams must give equal flips
+# (the tracker's eligible ranges and the counter function's keys agree), and every flip must land in a data
+# frame's payload (the reference parse above). Frames of at most 1448 payload bytes: a test run takes one page.
+
+BPF_BER = 2e-3
+ISN = 0x7FFFFF00  # near a wrap: stream offsets cross 2^32 - ISN within the first bytes
+
+
+def _bpf_or_skip():
+    if os.geteuid() != 0:
+        pytest.skip("the bpf program needs root")
+    from testbed.engine.bpf import engine as bpf_engine
+
+    ok, why = bpf_engine.available()
+    if not ok:
+        pytest.skip(why)
+    return bpf_engine
+
+
+_TCP_FLAGS = {"S": 0x02, "SA": 0x12, "PA": 0x18}
+
+
+def _frame(x: Dir, off: int, data: bytes, flags: str = "PA") -> bytes:
+    """Ethernet + IPv4 + TCP (no options) + data, built by hand (Scapy's per-packet cost dominated these tests;
+    neither engine checks the checksums it is handed)."""
+    import socket
+    import struct
+
+    (sa, sp), (da, dp) = x.d.src, x.d.dst
+    seq = (ISN + 1 + off) & 0xFFFFFFFF if "S" not in flags else ISN
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 40 + len(data), 1, 0x4000, 64, 6, 0, socket.inet_aton(sa),
+                     socket.inet_aton(da))
+    tcp = struct.pack("!HHIIBBHHH", sp, dp, seq, 1, 5 << 4, _TCP_FLAGS[flags], 65535, 0, 0)
+    return b"\x02\0\0\0\0\x02\x02\0\0\0\0\x01\x08\x00" + ip + tcp + data
+
+
+def _mss(segments, size: int = 1448):
+    for off, data in segments:
+        for k in range(0, len(data), size):
+            yield off + k, data[k:k + size]
+
+
+def _replay(x: Dir, segments, tmp_path, **settings):
+    """Feed the SYN and ``segments`` (stream offset, bytes) to both engines; return (bpf flips, NFQUEUE flips,
+    bpf stats): flips as sorted stream bit offsets, each transmission's counted (a resent range's flips again)."""
+    from testbed.engine.config import EngineSpec
+    from testbed.engine.corruptor import Corruptor
+
+    bpf_engine = _bpf_or_skip()
+    kw = dict(ber=BPF_BER, scope="tensor", error_model={"type": "counter"}, seed=7, **settings)
+    spec = EngineSpec(netns="/run/netns/none", iface="veth0", control_socket=str(tmp_path / "e.sock"),
+                      stats_file=str(tmp_path / "e.stats.json"), engine="bpf", **kw)
+    corr = Corruptor(EngineSpec(netns="/run/netns/none", iface="veth0", control_socket="/nonexistent.sock",
+                                stats_file="/nonexistent.json", **kw).validate())
+    syn = "S" if x.d.initiator else "SA"
+    flips = {"bpf": [], "nfqueue": []}
+    with bpf_engine.FrameRunner(spec, tmp_path / "pins") as runner:
+        for off, data in [(0, b""), *segments]:
+            frame = _frame(x, off, data, syn if off == 0 and not data else "PA")
+            out_b = runner.run(frame)
+            out_n = corr.process(frame[14:])
+            out_n = frame[14:] if out_n is None else bytes(out_n)
+            for name, out in (("bpf", out_b[-len(data):] if data else b""), ("nfqueue", out_n[-len(data):] if data
+                                                                                   else b"")):
+                if not data:
+                    continue
+                diff = np.frombuffer(out, np.uint8) ^ np.frombuffer(data, np.uint8)
+                bad = np.flatnonzero(diff)
+                bits = np.flatnonzero(np.unpackbits(diff[bad]).reshape(-1, 8))
+                flips[name] += (8 * (off + bad[bits // 8].astype(np.int64)) + bits % 8).tolist()
+        st = runner.stats()
+    return sorted(flips["bpf"]), sorted(flips["nfqueue"]), st
+
+
+def _inside(bits, ranges) -> bool:
+    starts = [s for s, _ in ranges]
+    for b in bits:
+        i = bisect_right(starts, b // 8) - 1
+        if i < 0 or not ranges[i][0] <= b // 8 < ranges[i][1]:
+            return False
+    return True
+
+
+def test_bpf_tracker_equal_flips_in_order(dirs, tmp_path):
+    """Both recordings, both directions, in stream order cut at 1448 bytes: the bpf program's flips are the
+    NFQUEUE engine's, all inside data payloads, thousands of them; every stream byte parsed, none desynced."""
+    for x in dirs:
+        b, n, st = _replay(x, list(_mss(x.segments)), tmp_path)
+        payload = sum(e - s for s, e in x.expected)
+        assert b == n, (x.mode, x.d.initiator, len(b), len(n))
+        assert _inside(b, x.expected)
+        assert len(b) > 0.5 * BPF_BER * 8 * payload, (len(b), payload)
+        assert st["flows_desynced"] == 0 and st["packets_errors"] == 0 and st["bits_seen"] == 8 * payload, st
+        assert st["frames"] == len(x.frames) and st["header_bytes"] == len(x.stream) - payload
+
+
+def test_bpf_tracker_headers_split_everywhere(dirs, tmp_path):
+    """The first 2,000 stream bytes one byte a packet (the handshake and the first headers split at every byte),
+    then 97-byte packets up to 200 KB (headers split at every phase), then 1448: the same flips as the NFQUEUE
+    engine."""
+    for x in dirs:
+        n1, n2 = min(2000, len(x.stream)), min(200_000, len(x.stream))
+        segs = [(k, x.stream[k:k + 1]) for k in range(n1)]
+        segs += list(_mss([(n1, x.stream[n1:n2])], 97)) + list(_mss([(n2, x.stream[n2:])]))
+        b, n, st = _replay(x, segs, tmp_path)
+        assert b == n and _inside(b, x.expected) and st["flows_desynced"] == 0, (x.mode, len(b), len(n))
+
+
+def test_bpf_tracker_retransmissions_get_the_same_flips(dirs, tmp_path):
+    """Every third packet is sent again after the next one (a retransmission, cut differently: its second half
+    only): each resent byte carries its original's flips, in both engines (the first 1,000 packets of each
+    direction)."""
+    for x in dirs:
+        segs = list(_mss(x.segments))[:1000]
+        replayed = []
+        for i, (off, data) in enumerate(segs):
+            replayed.append((off, data))
+            if i % 3 == 1:
+                po, pd = segs[i - 1]
+                h = len(pd) // 2
+                replayed.append((po + h, pd[h:]))
+        b, n, st = _replay(x, replayed, tmp_path)
+        assert b == n, (x.mode, len(b), len(n))
+        first = set(_replay(x, segs, tmp_path)[0])
+        assert set(b) == first and len(b) > len(first)  # the resent bits flipped again, the same ones
+        assert st["retransmitted_bits"] > 0 and st["retransmitted_flips"] > 0
+
+
+def test_bpf_tracker_fails_closed(dirs, tmp_path):
+    """A segment beyond the parsed frontier (out of order) or a header gloo would not write (a corrupted
+    opcode): the bpf program passes the flow clean from there on and counts it; it never flips a byte the
+    NFQUEUE engine (which buffers out-of-order bytes) would not."""
+    x = max(dirs, key=lambda d: len(d.frames))
+    segs = list(_mss(x.segments))[:1500]
+    k = len(segs) // 2
+    swapped = segs[:k] + [segs[k + 1], segs[k]] + segs[k + 2:]
+    b, n, st = _replay(x, swapped, tmp_path)
+    assert st["flows_desynced"] == 1 and st["desync_out_of_order"] == 1
+    assert set(b) <= set(n) and b and max(b) < 8 * segs[k + 1][0]
+    stream = bytearray(x.stream[:segs[-1][0]])
+    f = [f for f in x.frames if f.start + 48 < len(stream)][-20]
+    stream[f.start + 8] = 9  # opcode 9
+    b, n, st = _replay(x, list(_mss([(0, bytes(stream))])), tmp_path)
+    assert st["flows_desynced"] == 1 and set(b) <= set(n) and max(b) < 8 * f.start
+
+
+@pytest.mark.parametrize("names", [{"allreduce"}, {"p2p"}, {"broadcast", "allgather"}], ids=str)
+def test_bpf_tracker_collective_filter(dirs, tmp_path, names):
+    codes = collective_codes(names)
+    for x in dirs:
+        b, n, _ = _replay(x, list(_mss(x.segments)), tmp_path, collectives=sorted(names))
+        assert b == n and _inside(b, x.expected_for(codes)), (x.mode, names)
+
+
+@pytest.mark.parametrize("element,protect,pber", [("fp32", ["sign", "exponent"], 0.0),
+                                                  ("fp32", ["exponent"], BPF_BER / 4),
+                                                  ("bf16", ["sign", "exponent"], 0.0)])
+def test_bpf_tracker_protected_bits(dirs, tmp_path, element, protect, pber):
+    """Protection in the kernel: the same applied flips as the NFQUEUE engine (protected positions dropped, or
+    kept by the residual hash at protected_ber / ber), the same counters by field."""
+    for x in dirs:
+        b, n, st = _replay(x, list(_mss(x.segments))[:1500], tmp_path, element=element, protect=protect,
+                           protected_ber=pber)
+        assert b == n, (x.mode, element, protect, len(b), len(n))
+        assert st["flips_corrected"] > 0 and st["bits_protected"] > 0
+        assert (st["flips_protected"] > 0) == (pber > 0)

@@ -8,12 +8,13 @@ import ctypes
 import os
 import platform
 
-__all__ = ["BpfError", "obj_get", "map_lookup", "map_update", "possible_cpus", "BPF_F_LOCK"]
+__all__ = ["BpfError", "obj_get", "map_lookup", "map_update", "prog_test_run", "possible_cpus", "BPF_F_LOCK"]
 
 _SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}.get(platform.machine(), 321)
 BPF_MAP_LOOKUP_ELEM = 1
 BPF_MAP_UPDATE_ELEM = 2
 BPF_OBJ_GET = 7
+BPF_PROG_TEST_RUN = 10
 BPF_ANY = 0
 BPF_F_LOCK = 4
 
@@ -63,6 +64,27 @@ def map_update(fd: int, key: bytes, value: bytes, flags: int = BPF_ANY) -> None:
     v = ctypes.create_string_buffer(value, len(value))
     attr = _ElemAttr(map_fd=fd, key=ctypes.addressof(k), value=ctypes.addressof(v), flags=flags)
     _bpf(BPF_MAP_UPDATE_ELEM, attr, "map_update_elem")
+
+
+class _TestAttr(ctypes.Structure):
+    _fields_ = [("prog_fd", ctypes.c_uint32), ("retval", ctypes.c_uint32), ("data_size_in", ctypes.c_uint32),
+                ("data_size_out", ctypes.c_uint32), ("data_in", ctypes.c_uint64), ("data_out", ctypes.c_uint64),
+                ("repeat", ctypes.c_uint32), ("duration", ctypes.c_uint32), ("ctx_size_in", ctypes.c_uint32),
+                ("ctx_size_out", ctypes.c_uint32), ("ctx_in", ctypes.c_uint64), ("ctx_out", ctypes.c_uint64),
+                ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32), ("batch_size", ctypes.c_uint32),
+                ("_pad", ctypes.c_uint32)]
+
+
+def prog_test_run(fd: int, data: bytes) -> tuple[int, bytes]:
+    """Run a loaded tc program on one frame (BPF_PROG_TEST_RUN: the kernel builds a linear skb from an Ethernet
+    frame, runs the program with its maps, tail calls and helpers, and returns the frame as the program left it):
+    (return code, frame out)."""
+    din = ctypes.create_string_buffer(data, len(data))
+    dout = ctypes.create_string_buffer(len(data) + 256)
+    attr = _TestAttr(prog_fd=fd, data_size_in=len(data), data_size_out=len(dout), data_in=ctypes.addressof(din),
+                     data_out=ctypes.addressof(dout), repeat=1)
+    _bpf(BPF_PROG_TEST_RUN, attr, "prog_test_run")
+    return attr.retval, dout.raw[:attr.data_size_out]
 
 
 def possible_cpus() -> int:
