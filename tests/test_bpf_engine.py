@@ -910,3 +910,33 @@ def test_killed_up_leaves_nothing(tmp_path):
     assert leftovers(name).get("bpf_pins")
     clean.sweep_topology(name)
     assert not leftovers(name) and not mirror.exists()
+
+
+@pytest.mark.timeout(120)
+def test_counter_flips_are_the_same_in_bpf_nfqueue_and_the_function(link):
+    """error_model counter, scope payload: a 4 MiB transfer through the bpf engine and the same through the NFQUEUE
+    engine flip the same bits, and both are exactly counterflips.flips of the connection's key (its ordinal 0 and
+    the two addresses under the engine's seed): flips are a pure function of the stream position in both."""
+    import ipaddress
+
+    from testbed.engine import counterflips as cf
+    from testbed.engine.models import TAG_FLOW
+
+    n, ber, seed = 4 * MB, 1e-4, 5
+    got = {}
+    for kind, port in (("bpf", 5101), ("nfqueue", 5102)):
+        def attempt(p, kind=kind):
+            if kind == "bpf":
+                h = bpf(link, ber=ber, seed=seed, error_model={"type": "counter"})
+            else:
+                h = link.start_engine("a", "egress", ber=ber, seed=seed, error_model={"type": "counter"})
+            return h, transfer_positions(link, n, 11, p), engine_stats(h)
+
+        h, pos, st = lossless(link, attempt, port0=port)
+        assert st["bits_seen"] == 8 * n and st["bits_flipped"] == len(pos) and st["packets_errors"] == 0, st
+        stop_engine(h)
+        got[kind] = pos
+    sa, da = (int(ipaddress.ip_address(link.addr[s])) for s in ("a", "b"))
+    want = cf.flips(cf.model_key(seed, TAG_FLOW, 0, 0, sa, da, 0), ber, 0, n).tolist()
+    assert len(want) > 2000
+    assert got["bpf"] == want and got["nfqueue"] == want

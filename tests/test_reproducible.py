@@ -38,6 +38,24 @@ def test_same_seeds_give_the_same_flips_and_parameters_at_every_step(pair, tmp_p
     two_runs_agree(pair, tmp_path, mode)
 
 
+@pytest.fixture(scope="module")
+def pair_bpf():
+    with up("pair.yaml", engine="bpf") as tb:
+        yield tb
+
+
+def test_bpf_scope_tensor_gives_the_same_flips_per_field_and_parameters_at_every_step(pair_bpf, tmp_path):
+    """The bpf engine in scope tensor (flips a pure function of each connection's identity and eligible offset,
+    computed in the kernel): two DDP runs count the same flips per engine and field and end every step with the
+    same parameters."""
+    runs = two_runs_agree(pair_bpf, tmp_path, "ddp")
+    now = pair_bpf.counters()
+    assert len(now) == 2 and all(e["engine"] == "bpf" and e["keyed"] and e["flows_desynced"] == 0
+                                 for e in now.values()), now
+    assert engine_flips(runs[0]) == engine_flips(runs[1])
+    assert sum(f[0] for f in engine_flips(runs[0])) > 0
+
+
 @pytest.mark.docker
 def test_docker_hosts_give_the_same_flips_and_parameters_at_every_step(worker_image, load_topology, tmp_path):
     """The same on container hosts (the runtime changes who owns the namespaces, not the engines' keys)."""
@@ -45,7 +63,8 @@ def test_docker_hosts_give_the_same_flips_and_parameters_at_every_step(worker_im
         two_runs_agree(tb, tmp_path, "ddp")
 
 
-def two_runs_agree(tb, tmp_path, mode: str) -> None:
+def two_runs_agree(tb, tmp_path, mode: str) -> list[dict]:
+    """Two trainings with the same seeds agree step by step; returns their summaries."""
     runs = []
     for k in ("a", "b"):
         # sanitize: the updates happen despite corrupted values, so the parameters depend on where flips land
@@ -63,6 +82,7 @@ def two_runs_agree(tb, tmp_path, mode: str) -> None:
     assert all(len({row[1] for row in rows}) == STEPS for rows in steps_a.values())  # the parameters moved
     if mode == "ddp":  # corrupted gradients arrived (compared with the clean reference allreduce)
         assert sum(row[3] for rows in steps_a.values() for row in rows) > 0
+    return [a, b]
 
 
 def hashes(run_dir) -> dict:
