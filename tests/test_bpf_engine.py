@@ -474,8 +474,8 @@ def test_live_set_of_ber_and_a_later_process_stops_the_engine(link):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ber"] == 1e-3
     assert engine_stats(h)["ber"] == 1e-3
-    with pytest.raises(EngineError, match="scope"):
-        set_engine(h, scope="tensor")
+    with pytest.raises(EngineError, match="in scopes payload and tensor, not all"):
+        set_engine(h, scope="all", error_model={"type": "counter"})
     with pytest.raises(EngineError):
         set_engine(h, ber=0.4, error_model={"type": "gilbert_elliott", "burst_length": 2})
     tx.stdin.write("go\n")
@@ -675,8 +675,12 @@ def test_fix_keeps_complete_checksums_valid(link, scope):
 
 @pytest.mark.timeout(60)
 def test_refused_settings_and_start_errors(link):
-    with pytest.raises(ValueError, match="scope tensor|tensor"):
-        start_engine(link.engine_spec(engine="bpf", scope="tensor"))
+    with pytest.raises(ValueError, match="scope tensor with checksum fix only"):
+        start_engine(link.engine_spec(engine="bpf", scope="tensor", checksum="keep"))
+    with pytest.raises(ValueError, match="counter in scopes payload and tensor, not all"):
+        start_engine(link.engine_spec(engine="bpf", scope="all", error_model={"type": "counter"}))
+    with pytest.raises(ValueError, match="up to a BER of about 1.2e-2"):
+        start_engine(link.engine_spec(engine="bpf", scope="tensor", ber=0.05))
     with pytest.raises(ValueError, match="peer"):
         start_engine(link.engine_spec(engine="bpf", checksum="keep"))
     with pytest.raises(ValueError, match="capture"):
@@ -712,7 +716,8 @@ def test_topology_validation_of_engine(tmp_path):
     default = Topology.from_dict({"name": "bpfv", "topology": {"nodes": {"h1": {}, "h2": {}}, "links": [
         {"endpoints": ["h1:eth1", "h2:eth1"], "ber": 1e-6}]}})
     assert default.links[0].forward.engine == "nfqueue"
-    for eng, scope, words in (("bpf", "tensor", "scope tensor needs engine nfqueue"), ("ebpf", "payload", "engine")):
+    for eng, scope, words in (("bpf", "tensor\n      checksum: keep", "scope tensor with checksum fix only"),
+                              ("ebpf", "payload", "engine")):
         f = tmp_path / f"{eng}.yaml"
         f.write_text(f"name: bpfv\ntopology:\n  nodes: {{h1: {{}}, h2: {{}}}}\n  links:\n"
                      f"    - endpoints: [\"h1:eth1\", \"h2:eth1\"]\n      ber: 1e-6\n      scope: {scope}\n"
@@ -755,7 +760,8 @@ def test_topology_engine_bpf_up_stats_link_set_down(tmp_path):
         r = tb_cli("link", "set", "h1-h2", "--topo", name, "--direction", "h1->h2", "--ber", "1e-6")
         assert r.returncode == 0, r.stderr
         assert tb.stats()[0]["ber"] == 1e-6
-        bad = tb_cli("link", "set", "h1-h2", "--topo", name, "--direction", "h1->h2", "--scope", "tensor")
+        bad = tb_cli("link", "set", "h1-h2", "--topo", name, "--direction", "h1->h2", "--scope", "all",
+                     "--error-model", "counter")
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
         # detached: the program is removed, the link passes clean; back afterwards
         with tb.detached("h1-h2"):
