@@ -901,12 +901,14 @@ def test_bpf_tracker_retransmissions_get_the_same_flips(dirs, tmp_path):
 
 
 def test_bpf_tracker_fails_closed(dirs, tmp_path):
-    """A segment beyond the parsed frontier (out of order) or a header gloo would not write (a corrupted
-    opcode): the bpf program passes the flow clean from there on and counts it; it never flips a byte the
-    NFQUEUE engine (which buffers out-of-order bytes) would not."""
+    """A segment beyond the parsed frontier across a frame header (out of order) or a header gloo would not write
+    (a corrupted opcode): the bpf program passes the flow clean from there on and counts it; it never flips a
+    byte the NFQUEUE engine (which buffers out-of-order bytes) would not."""
     x = max(dirs, key=lambda d: len(d.frames))
     segs = list(_mss(x.segments))[:1500]
-    k = len(segs) // 2
+    heads = {f.start for f in x.frames}
+    k = next(i for i in range(len(segs) // 2, len(segs) - 1)
+             if any(segs[i + 1][0] <= h < segs[i + 1][0] + len(segs[i + 1][1]) for h in heads))
     swapped = segs[:k] + [segs[k + 1], segs[k]] + segs[k + 2:]
     b, n, st = _replay(x, swapped, tmp_path)
     assert st["flows_desynced"] == 1 and st["desync_out_of_order"] == 1
@@ -916,6 +918,25 @@ def test_bpf_tracker_fails_closed(dirs, tmp_path):
     stream[f.start + 8] = 9  # opcode 9
     b, n, st = _replay(x, list(_mss([(0, bytes(stream))])), tmp_path)
     assert st["flows_desynced"] == 1 and set(b) <= set(n) and max(b) < 8 * f.start
+
+
+def test_bpf_tracker_reordered_inside_a_frame(dirs, tmp_path):
+    """Segments that reach the hook out of order inside one frame's payload (an ingress hook sees that: veth hands
+    frames to the backlog of the sender's CPU): the bpf program corrupts the later one as it stands and the
+    earlier one, when it comes, as new bytes of the same frame: the flips and counts of the in-order stream."""
+    x = max(dirs, key=lambda d: max(f.length for f in d.frames if f.is_data))
+    big = max((f for f in x.frames if f.is_data), key=lambda f: f.length)
+    segs = list(_mss(x.segments))
+    inside = [i for i in range(len(segs) - 1) if big.payload[0] <= segs[i][0]
+              and segs[i + 1][0] + len(segs[i + 1][1]) <= big.payload[1]]
+    assert len(inside) > 20
+    swapped = list(segs)
+    for i in inside[::7]:
+        swapped[i], swapped[i + 1] = swapped[i + 1], swapped[i]
+    b, _, st = _replay(x, swapped, tmp_path)
+    want, _, st0 = _replay(x, segs, tmp_path)
+    assert b == want and st["flows_desynced"] == 0 and st["tensor_holes"] >= len(inside[::7]) - 1
+    assert (st["bits_seen"], st["bits_flipped"]) == (st0["bits_seen"], st0["bits_flipped"])
 
 
 @pytest.mark.parametrize("names", [{"allreduce"}, {"p2p"}, {"broadcast", "allgather"}], ids=str)

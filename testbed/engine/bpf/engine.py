@@ -459,6 +459,7 @@ def _stats(spec: EngineSpec, side: dict, pin_dir: Path) -> dict:
         "keyed": maps.keyed(s["scope"], s["error_model"]), "desync_out_of_order": cn["desync_out_of_order"],
         "stale_bits": cn["stale_bits"], "ranges_lost_bits": cn["ranges_lost_bits"], "header_bytes": cn["header_bytes"],
         "frames": cn["frames"], "data_frames": cn["data_frames"], "kflows_lost": cn["kflows_lost"],
+        "tensor_holes": cn["tensor_holes"],
         "bad_sojourns": st["bad_sojourns"],
         "bad_sojourn_bits": st["bad_sojourn_bits"], "epochs_lost": st["epochs_lost"],
         "config_version": version, "config_applied": st["applied"],

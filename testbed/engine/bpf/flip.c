@@ -66,7 +66,7 @@ enum {
 	/* keyed flips (tb_keyed) */
 	C_RETX_FLIPS, C_MIDSTREAM, C_DESYNCED, C_DESYNC_OOO, C_STALE_BITS, C_RANGES_LOST_BITS, C_BITS_PROTECTED,
 	C_FLIPS_PROTECTED, C_FLIPS_CORRECTED, C_FLIPS_SIGN, C_FLIPS_EXPONENT, C_FLIPS_MANTISSA, C_HEADER_BYTES,
-	C_FRAMES, C_DATA_FRAMES, C_KFLOWS_LOST, C_N
+	C_FRAMES, C_DATA_FRAMES, C_KFLOWS_LOST, C_KHOLES, C_N
 };
 #define NCOUNTERS 64
 
@@ -253,14 +253,15 @@ struct {
 int tb_apply(struct __sk_buff *skb);
 
 int tb_keyed(struct __sk_buff *skb);
+int tb_kapply(struct __sk_buff *skb);
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
-	__uint(max_entries, 2);
+	__uint(max_entries, 3);
 	__uint(key_size, sizeof(__u32));
 	__array(values, int (void *));
 } tb_progs SEC(".maps") = {
-	.values = { [0] = (void *)&tb_apply, [1] = (void *)&tb_keyed },
+	.values = { [0] = (void *)&tb_apply, [1] = (void *)&tb_keyed, [2] = (void *)&tb_kapply },
 };
 
 #define READ_ONCE(x) (*(volatile typeof(x) *)&(x))
@@ -647,6 +648,7 @@ static __always_inline void new_range(struct flow *fl, struct counters *cn, __u3
  * go through bpf_skb_load_bytes/bpf_skb_store_bytes, which make a cloned skb private only when they write. */
 #define NREC 16
 #define NRANGES 32
+#define NFLIP 2048         /* flips a packet's list holds for tb_kapply's direct writes (more: written by helpers) */
 #define MAX_WORDS_J 1024   /* Philox calls a block may use for positions (repeats included) */
 #define KF_BASE 1
 #define KF_SYN 2           /* the SYN passed here: ordinal and tracker valid */
@@ -668,6 +670,7 @@ struct kflow {
 	__u64 top;         /* highest stream offset seen (exclusive) */
 	__u64 frontier;    /* scope tensor: bytes [0, frontier) parsed */
 	__u64 pay_end, origin, shift, elig, horizon;
+	__u64 hole_lo, hole_hi;  /* payload bytes skipped by an out-of-order segment inside the same frame */
 	__u32 need, hlen, pay_ok, nrec;
 	__u8 hbuf[64];
 	struct krec rec[NREC];
@@ -691,8 +694,9 @@ struct kx {
 	__u32 nr, ri, pp, started;
 	struct krange r[NRANGES];
 	__u64 blk, blk_end, ke, ke_end, base_byte;
-	__u32 need, npos, wj, err;
+	__u32 need, npos, wj, err, pulled, nfo, maxoff;
 	__u64 d_l4, flips, retx_flips, applied, newbits;
+	__u32 fo[NFLIP];   /* the flips for tb_kapply: skb offset << 3 | bit (0 = the byte's MSB) */
 	__u64 f_prot, f_corr, f_sign, f_exp, f_mant;
 	__u16 pos[MAXTAIL];
 	__u64 bm[64];      /* the block's positions drawn so far (repeats are skipped) */
@@ -801,6 +805,32 @@ static __always_inline void add_range(struct kx *x, struct counters *cn, __u64 s
 	x->nr = n + 1;
 }
 
+/* A recorded piece [s, e): sent again, except where it falls in the flow's hole (bytes an out-of-order segment
+ * skipped inside one frame's payload: their first transmission, new), which shrinks from either end. */
+static __always_inline void add_recorded(struct kx *x, struct kflow *fl, struct counters *cn, struct krec *r, __u64 s,
+					 __u64 e)
+{
+	__u64 hl = fl->hole_lo, hh = fl->hole_hi, a, b;
+
+	if (!hh || e <= hl || s >= hh) {
+		add_range(x, cn, s, e, r->origin, r->shift, 1);
+		return;
+	}
+	a = s > hl ? s : hl;
+	b = e < hh ? e : hh;
+	if (s < a)
+		add_range(x, cn, s, a, r->origin, r->shift, 1);
+	add_range(x, cn, a, b, r->origin, r->shift, 0);
+	if (b < e)
+		add_range(x, cn, b, e, r->origin, r->shift, 1);
+	if (a == hl && b == hh)
+		fl->hole_lo = fl->hole_hi = 0;
+	else if (a == hl)
+		fl->hole_lo = b;
+	else if (b == hh)
+		fl->hole_hi = a;
+}
+
 /* Bytes [a, b) below the frontier, sent again: the eligible pieces of the recorded frames */
 static __always_inline void lookup(struct kx *x, struct kflow *fl, struct counters *cn, __u64 a, __u64 b)
 {
@@ -823,7 +853,7 @@ static __always_inline void lookup(struct kx *x, struct kflow *fl, struct counte
 		s = r->s > a ? r->s : a;
 		e = r->e < b ? r->e : b;
 		if (s < e)
-			add_range(x, cn, s, e, r->origin, r->shift, 1);
+			add_recorded(x, fl, cn, r, s, e);
 	}
 }
 
@@ -1021,6 +1051,22 @@ static __always_inline void kflip_at(struct __sk_buff *skb, struct kx *x, struct
 	else
 		x->flips++;
 	off = x->pay + (__u32)(r->s - x->off) + (__u32)(within >> 3);
+	if (x->nfo < NFLIP) {  /* written directly by tb_kapply */
+		x->fo[x->nfo & (NFLIP - 1)] = (off << 3) | (__u32)(q & 7);
+		x->nfo += 1;
+		if (off > x->maxoff)
+			x->maxoff = off;
+		return;
+	}
+	if (x->pulled < 2 && beyond_linear(skb, off)) {
+		/* linear (and private) up to this byte the first time, all of it the second: one copy of what is
+		 * flipped, not a reallocation per store (bpf_skb_store_bytes pulls up to its byte) */
+		__u32 n = x->pulled ? skb->len : off + 1;
+
+		x->pulled++;
+		if (bpf_skb_pull_data(skb, n))
+			x->err = 1;
+	}
 	if (bpf_skb_load_bytes(skb, off, &b, 1)) {
 		x->err = 1;
 		return;
@@ -1154,6 +1200,28 @@ static __always_inline void keyed_cfg(struct state *st, struct cfg *c, __u64 ver
 	bpf_spin_unlock(&st->lock);
 }
 
+/* A keyed packet's end: errors, modified-packet counters, the L4 checksum (a complete one updated; a
+ * CHECKSUM_PARTIAL one is left: completed over the corrupted bytes, or never checked). */
+static __always_inline void kfinish(struct __sk_buff *skb, struct kx *x, struct counters *cn)
+{
+	if (x->err)
+		cn->v[C_ERRORS] += 1;
+	if (!x->applied)
+		return;
+	cn->v[C_MODIFIED] += 1;
+	if (x->applied > 1)
+		cn->v[C_MULTIFLIP] += 1;
+	cn->v[C_FLIPS_APPLIED] += x->applied;
+	if (skb->gso_size)
+		cn->v[C_GSO_FLIPS] += x->flips;
+	{
+		__u64 f = x->udp ? BPF_F_MARK_MANGLED_0 : 0, d = fold(x->d_l4);
+
+		if (d && d != 0xffff)
+			bpf_l4_csum_replace(skb, x->csum_off, 0, (__u32)d, f);
+	}
+}
+
 SEC("tc")
 int tb_keyed(struct __sk_buff *skb)
 {
@@ -1178,6 +1246,9 @@ int tb_keyed(struct __sk_buff *skb)
 	x->need = 0;
 	x->npos = 0;
 	x->err = 0;
+	x->pulled = 0;
+	x->nfo = 0;
+	x->maxoff = 0;
 	x->d_l4 = x->flips = x->retx_flips = x->applied = x->newbits = 0;
 	x->f_prot = x->f_corr = x->f_sign = x->f_exp = x->f_mant = 0;
 	if (x->udp) {  /* the direction's packet-order stream under the link key (the NFQUEUE engine's link model) */
@@ -1276,16 +1347,34 @@ int tb_keyed(struct __sk_buff *skb)
 		if (off < f)  /* (partly) sent before: the record answers */
 			lookup(x, fl, cn, off, end < f ? end : f);
 		if (end > f) {
-			if (off > f) {  /* beyond a gap: cannot be parsed here; fail closed for good */
-				fl->flags |= KF_DESYNC;
-				cn->v[C_DESYNCED] += 1;
-				cn->v[C_DESYNC_OOO] += 1;
-				return TC_ACT_OK;
-			}
-			x->pp = (__u32)(f - off);
-			struct kctx kc = {.skb = skb};
+			if (off > f) {  /* beyond a gap (reordered on the way to an ingress hook, or its first copy lost) */
+				if (fl->state != ST_PAYLOAD || end > fl->pay_end || fl->hole_hi) {
+					/* across a header: cannot be parsed here; fail closed for good */
+					fl->flags |= KF_DESYNC;
+					cn->v[C_DESYNCED] += 1;
+					cn->v[C_DESYNC_OOO] += 1;
+					return TC_ACT_OK;
+				}
+				/* inside the current frame's payload: its bytes are known without the gap's, and so are the
+				 * gap's (the record answers them when they come, as new bytes: the hole) */
+				if (fl->pay_ok) {
+					add_range(x, cn, off, end, fl->origin, fl->shift, 0);
+					fl->elig += end - f;
+				}
+				fl->hole_lo = f;
+				fl->hole_hi = off;
+				fl->frontier = end;
+				cn->v[C_KHOLES] += 1;
+				if (end == fl->pay_end) {
+					fl->state = ST_HEADER;
+					fl->need = 48;
+				}
+			} else {
+				x->pp = (__u32)(f - off);
+				struct kctx kc = {.skb = skb};
 
-			bpf_loop(4096, kparse, &kc, 0);
+				bpf_loop(4096, kparse, &kc, 0);
+			}
 		}
 	} else {  /* payload: the stream offset is the counter; bytes below the highest seen are sent again */
 		__u64 s = (__s64)off < 0 ? 0 : off;
@@ -1339,22 +1428,80 @@ flip:
 	cn->v[C_FLIPS_SIGN] += x->f_sign;
 	cn->v[C_FLIPS_EXPONENT] += x->f_exp;
 	cn->v[C_FLIPS_MANTISSA] += x->f_mant;
-	if (x->err)
-		cn->v[C_ERRORS] += 1;
-	if (!x->applied)
-		return TC_ACT_OK;
-	cn->v[C_MODIFIED] += 1;
-	if (x->applied > 1)
-		cn->v[C_MULTIFLIP] += 1;
-	cn->v[C_FLIPS_APPLIED] += x->applied;
-	if (skb->gso_size)
-		cn->v[C_GSO_FLIPS] += x->flips;
-	{
-		__u64 f = x->udp ? BPF_F_MARK_MANGLED_0 : 0, d = fold(x->d_l4);
+	if (x->nfo) {
+		/* linear and private up to the last flip (one copy), then the direct writes of tb_kapply, whose
+		 * verifier-made unclone prologue then has nothing to do (tb_flip's reasoning) */
+		__u32 n = x->maxoff + 1;
 
-		if (d && d != 0xffff)
-			bpf_l4_csum_replace(skb, x->csum_off, 0, (__u32)d, f);
+		if (n > skb->len)
+			n = skb->len;
+		if (bpf_skb_pull_data(skb, n)) {
+			cn->v[C_UNCLONE_FAILED] += 1;
+			cn->v[C_ERRORS] += 1;
+			return TC_ACT_OK;
+		}
+		bpf_tail_call(skb, &tb_progs, 2);
+		cn->v[C_ERRORS] += 1;  /* the applier is missing: flips counted, not applied */
+		return TC_ACT_OK;
 	}
+	kfinish(skb, x, cn);
+	return TC_ACT_OK;
+}
+
+/* One of the packet's listed flips, written directly (the packet is linear and private up to the last one). */
+static long kapply_step(__u64 i, void *arg)
+{
+	struct kctx *kc = arg;
+	struct __sk_buff *skb = kc->skb;
+	__u32 zero = 0, v, off, o;
+	struct kx *x = bpf_map_lookup_elem(&tb_kscratch, &zero);
+	__u8 *data, *dend, *p, mask, b;
+	__u64 m, dd;
+
+	if (!x || i >= x->nfo || i >= NFLIP)
+		return 1;
+	v = x->fo[i & (NFLIP - 1)];
+	off = v >> 3;
+	mask = 0x80 >> (v & 7);
+	data = (__u8 *)(long)skb->data;
+	dend = (__u8 *)(long)skb->data_end;
+	o = off & 0xffff;
+	p = data + o;
+	if (o == off && o < 0xffff && p + 1 <= dend) {
+		b = *p;
+		*p = b ^ mask;
+	} else {  /* the last bytes of a 64 KB packet (the verifier's packet range ends at 0xffff) */
+		if (bpf_skb_load_bytes(skb, off, &b, 1)) {
+			x->err = 1;
+			return 0;
+		}
+		b ^= mask;
+		if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
+			x->err = 1;
+			return 0;
+		}
+		b ^= mask;
+	}
+	m = (off & 1) ? ((__u64)mask << 8) : mask;
+	dd = (b & mask) ? (0xffff ^ m) : m;
+	x->applied++;
+	x->d_l4 += dd;
+	return 0;
+}
+
+/* The direct writes of tb_keyed's listed flips, then the checksum and the packet's counters. */
+SEC("tc")
+int tb_kapply(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct counters *cn = bpf_map_lookup_elem(&tb_counters, &zero);
+	struct kx *x = bpf_map_lookup_elem(&tb_kscratch, &zero);
+	struct kctx kc = {.skb = skb};
+
+	if (!cn || !x)
+		return TC_ACT_OK;
+	bpf_loop(NFLIP, kapply_step, &kc, 0);
+	kfinish(skb, x, cn);
 	return TC_ACT_OK;
 }
 

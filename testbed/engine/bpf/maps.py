@@ -39,7 +39,7 @@ COUNTERS = ("packets", "bytes", "packets_modified", "packets_multiflip", "packet
             # keyed flips (tb_keyed)
             "retransmitted_flips", "flows_midstream", "flows_desynced", "desync_out_of_order", "stale_bits",
             "ranges_lost_bits", "bits_protected", "flips_protected", "flips_corrected", "flips_sign", "flips_exponent",
-            "flips_mantissa", "header_bytes", "frames", "data_frames", "kflows_lost")
+            "flips_mantissa", "header_bytes", "frames", "data_frames", "kflows_lost", "tensor_holes")
 UNPARSED = {"u_short": "short", "u_not_ipv4": "not_ipv4", "u_bad_ihl": "bad_ihl", "u_bad_length": "bad_length",
             "u_fragment": "fragment", "u_not_tcp_udp": "not_tcp_udp", "u_bad_l4_header": "bad_l4_header"}
 NCOUNTERS = 64
