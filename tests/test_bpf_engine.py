@@ -780,7 +780,8 @@ def test_topology_engine_bpf_up_stats_link_set_down(tmp_path):
 @pytest.mark.timeout(120)
 def test_engine_bpf_where_it_cannot_run_and_auto(tmp_path):
     """engine: bpf where the bpf engine cannot run: exit 3 (CapabilityMissing) before anything is created;
-    engine: auto falls back to nfqueue there, and picks bpf where it runs (scope payload)."""
+    engine: auto falls back to nfqueue there, and picks bpf where it runs (scope payload; scope tensor, the
+    training scope, too; not what the program cannot draw: Gilbert-Elliott in scope tensor)."""
     name = unique_name("bpfcap")
     f = tmp_path / "pair.yaml"
     f.write_text(PAIR.format(name=name, ber="1e-6", engine="bpf"))
@@ -788,8 +789,9 @@ def test_engine_bpf_where_it_cannot_run_and_auto(tmp_path):
     r = tb_cli("up", str(f), env=env)
     assert r.returncode == 3 and "engine: bpf on h1-h2 (h1->h2)" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not leftovers(name)
-    for off, want in ((True, "nfqueue"), (False, "bpf")):
-        f.write_text(PAIR.format(name=name, ber="1e-6", engine="auto"))
+    for off, want, extra in ((True, "nfqueue", ""), (False, "bpf", ""), (False, "bpf", ", scope: tensor"),
+                             (False, "nfqueue", ", scope: tensor, error_model: {type: gilbert_elliott, burst_length: 8}")):
+        f.write_text(PAIR.format(name=name, ber="1e-6", engine="auto").replace("seed: 11}", f"seed: 11{extra}}}"))
         r = tb_cli("up", str(f), env=env if off else None)
         assert r.returncode == 0, r.stderr
         try:

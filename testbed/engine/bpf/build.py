@@ -83,10 +83,25 @@ def _clang_version(clang: str) -> str:
         return ""
 
 
+# Benchmarks only (benchmarks/bench_bpf_floor.py): variants of the program that measure a floor, named in
+# TESTBED_BPF_FLOOR: "compute" (keyed flips computed and counted, no byte written), "copy" (and each packet
+# with flips made linear and private up to its last flip, as for writing, but nothing written).
+FLOORS = {"compute": "-DTB_FLOOR_COMPUTE", "copy": "-DTB_FLOOR_COPY"}
+
+
+def floor_flags() -> list[str]:
+    v = os.environ.get("TESTBED_BPF_FLOOR", "").strip()
+    if not v:
+        return []
+    if v not in FLOORS:
+        raise BuildError(f"TESTBED_BPF_FLOOR must be one of {', '.join(FLOORS)} (benchmarks only), got {v!r}")
+    return [FLOORS[v]]
+
+
 def object_path(source: Path = SOURCE) -> Path:
     """The compiled object for `source`: from the cache, or built now (a second or so)."""
     clang = _clang()
-    flags = [*CFLAGS, *include_dirs()]
+    flags = [*CFLAGS, *include_dirs(), *floor_flags()]
     text = source.read_bytes()
     key = hashlib.sha256(text + "\0".join(flags).encode() + _clang_version(clang).encode()).hexdigest()[:16]
     d = cache_dir()

@@ -276,8 +276,8 @@ def _load(obj: Path, pin_dir: Path) -> None:
     import subprocess
 
     pin_dir.mkdir(parents=True, exist_ok=True)
-    # both programs (tb_flip, and tb_apply, which libbpf puts into tb_progs for tb_flip's tail call), pinned by
-    # name; tb_flip is the one tc attaches, as `prog`
+    # the programs (tb_flip; tb_apply, tb_keyed and tb_kapply, which libbpf puts into tb_progs for the tail
+    # calls), pinned by name; tb_flip is the one tc attaches, as `prog`
     r = subprocess.run(["bpftool", "prog", "loadall", str(obj), str(pin_dir), "type", "classifier",
                         "pinmaps", str(pin_dir)], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:

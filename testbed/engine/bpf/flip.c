@@ -1051,6 +1051,14 @@ static __always_inline void kflip_at(struct __sk_buff *skb, struct kx *x, struct
 	else
 		x->flips++;
 	off = x->pay + (__u32)(r->s - x->off) + (__u32)(within >> 3);
+#if defined(TB_FLOOR_COMPUTE)  /* benchmark floor (build.FLOORS): computed and counted, nothing written */
+	return;
+#elif defined(TB_FLOOR_COPY)  /* benchmark floor: the copy a write needs (tb_keyed's pull), nothing written */
+	if (off > x->maxoff)
+		x->maxoff = off;
+	x->pulled = 1;
+	return;
+#endif
 	if (x->nfo < NFLIP) {  /* written directly by tb_kapply */
 		x->fo[x->nfo & (NFLIP - 1)] = (off << 3) | (__u32)(q & 7);
 		x->nfo += 1;
@@ -1428,6 +1436,10 @@ flip:
 	cn->v[C_FLIPS_SIGN] += x->f_sign;
 	cn->v[C_FLIPS_EXPONENT] += x->f_exp;
 	cn->v[C_FLIPS_MANTISSA] += x->f_mant;
+#ifdef TB_FLOOR_COPY
+	if (x->pulled && bpf_skb_pull_data(skb, x->maxoff + 1 < skb->len ? x->maxoff + 1 : skb->len))
+		cn->v[C_ERRORS] += 1;
+#endif
 	if (x->nfo) {
 		/* linear and private up to the last flip (one copy), then the direct writes of tb_kapply, whose
 		 * verifier-made unclone prologue then has nothing to do (tb_flip's reasoning) */
