@@ -501,7 +501,10 @@ def set_settings(spec: EngineSpec, rec: dict, **settings) -> dict:
         new = settings_of(probe)
         rebuild = new["error_model"] != cur["error_model"] or new["seed"] != cur["seed"]
         new_epoch = rebuild or restart or new["ber"] != cur["ber"]
-        generation = side.get("generation", 0) + (1 if rebuild else 0)
+        # restart: keyed flips as a fresh engine's (generation 0: the same keys); the sequential stream only
+        # starts a new epoch (its position is not a fresh engine's anyway)
+        generation = 0 if restart and maps.keyed(new["scope"], new["error_model"]) else (
+            side.get("generation", 0) + (1 if rebuild else 0))
         version = side.get("version", 1) + 1
         pin_dir = Path(side.get("pin_dir") or pins.pin_dir_for(spec.stats_file))
         moved = new["checksum"] != cur["checksum"]

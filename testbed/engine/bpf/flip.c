@@ -204,47 +204,33 @@ struct flow {
 #define F_SEQ 1
 #define F_EXCLUDED_COUNTED 2
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct config);
-} tb_config SEC(".maps");
+/* The maps of this file: one-entry arrays (configuration, state, per-CPU counters and scratch) and LRU hashes */
+#define ONE(kind, vtype, name)                                                                             \
+	struct {                                                                                             \
+		__uint(type, BPF_MAP_TYPE_##kind);                                                            \
+		__uint(max_entries, 1);                                                                      \
+		__type(key, __u32);                                                                          \
+		__type(value, vtype);                                                                        \
+	} name SEC(".maps")
+#define LRU(n, ktype, vtype, name)                                                                         \
+	struct {                                                                                             \
+		__uint(type, BPF_MAP_TYPE_LRU_HASH);                                                          \
+		__uint(max_entries, n);                                                                      \
+		__type(key, ktype);                                                                          \
+		__type(value, vtype);                                                                        \
+	} name SEC(".maps")
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct state);
-} tb_state SEC(".maps");
+ONE(ARRAY, struct config, tb_config);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct ring);
-} tb_ring SEC(".maps");
+ONE(ARRAY, struct state, tb_state);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct counters);
-} tb_counters SEC(".maps");
+ONE(ARRAY, struct ring, tb_ring);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct pctx);
-} tb_scratch SEC(".maps");
+ONE(PERCPU_ARRAY, struct counters, tb_counters);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
-	__type(key, struct flow_key);
-	__type(value, struct flow);
-} tb_flows SEC(".maps");
+ONE(PERCPU_ARRAY, struct pctx, tb_scratch);
+
+LRU(16384, struct flow_key, struct flow, tb_flows);
 
 /* The flip applier, a second program reached by a tail call only for packets whose bits hold flips. It writes the
  * flipped bytes directly into the packet; a program that writes packet data directly gets a prologue from the
@@ -424,11 +410,66 @@ static __always_inline int beyond_linear(struct __sk_buff *skb, __u32 off)
 	return o != off || o >= 0xffff || data + o + 1 > dend;
 }
 
+/* Flip `mask` in byte `off` with the load/store helpers (they make a cloned skb private, pulling up to the
+ * byte); `*before` gets the byte before the flip. 0, or -1 if a helper failed. No direct packet write: usable
+ * in a program that must not get the verifier's unclone prologue. */
+static __always_inline int poke_helpers(struct __sk_buff *skb, __u32 off, __u8 mask, __u8 *before)
+{
+	__u8 b;
+
+	if (bpf_skb_load_bytes(skb, off, &b, 1))
+		return -1;
+	*before = b;
+	b ^= mask;
+	return bpf_skb_store_bytes(skb, off, &b, 1, 0) ? -1 : 0;
+}
+
+/* The same with a direct write where the byte is in the linear part (a program calling this gets the unclone
+ * prologue: the skb must be private before, or the prologue copies it); the verifier sets a packet range only
+ * for offsets + size <= 0xffff, so the last bytes of a 64 KB packet take the helpers. */
+static __always_inline int poke(struct __sk_buff *skb, __u32 off, __u8 mask, __u8 *before)
+{
+	__u8 *data = (__u8 *)(long)skb->data, *dend = (__u8 *)(long)skb->data_end, *p;
+	__u32 o = off & 0xffff;
+
+	p = data + o;
+	if (o == off && o < 0xffff && p + 1 <= dend) {
+		*before = *p;
+		*p = *before ^ mask;
+		return 0;
+	}
+	return poke_helpers(skb, off, mask, before);
+}
+
+/* The ones'-complement change of flipping `mask` in byte `off` whose value was `b`: 16-bit words as the kernel
+ * sums them (little-endian loads): an even offset is the low byte. */
+static __always_inline __u64 csum_delta(__u32 off, __u8 mask, __u8 b)
+{
+	__u64 m = (off & 1) ? ((__u64)mask << 8) : mask;
+
+	return (b & mask) ? (0xffff ^ m) : m;
+}
+
+/* Byte `off` beyond the linear part: make it linear (and private) up to this byte the first time, all of it the
+ * second. The pull copies what it makes linear, so a packet with one flip (most at low BERs) copies half of
+ * itself on average, not all; a packet with many flips pays one small extra copy. */
+static __always_inline void pull_to(struct __sk_buff *skb, __u32 off, __u32 *pulled, __u32 *err)
+{
+	__u32 n;
+
+	if (*pulled >= 2 || !beyond_linear(skb, off))
+		return;
+	n = *pulled ? skb->len : off + 1;
+	*pulled += 1;
+	if (bpf_skb_pull_data(skb, n))
+		*err = 1;
+}
+
 static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u64 q)
 {
 	__u32 off = x->base + (__u32)(q >> 3);
 	__u8 mask = 0x80 >> (q & 7), b;
-	__u64 m, dd;
+	__u64 dd;
 
 	x->flips++;
 	if (x->fix_all && ((off >= x->l3 + 10 && off < x->l3 + 12) ||
@@ -436,45 +477,14 @@ static __always_inline void flip_one(struct __sk_buff *skb, struct pctx *x, __u6
 		x->on_csum++;  /* the checksum is made valid anyway (as the NFQUEUE engine overwrites it) */
 		return;
 	}
-	if (beyond_linear(skb, off)) {
-		/* Beyond the linear part: make it linear (and private) up to this byte the first time, all of it the
-		 * second. The pull copies what it makes linear, so a packet with one flip (most at low BERs) copies
-		 * half of itself on average, not all; a packet with many flips pays one small extra copy. */
-		__u32 n = x->pulled ? skb->len : off + 1;
-
-		x->pulled++;
-		if (bpf_skb_pull_data(skb, n))
-			x->err = 1;
+	pull_to(skb, off, &x->pulled, &x->err);
+	/* direct packet access: the linear part is private after a pull (tb_apply's prologue uncloned the skb, if
+	 * tb_flip had not pulled already) */
+	if (poke(skb, off, mask, &b)) {
+		x->err = 1;
+		return;
 	}
-	{
-		/* direct packet access: the linear part is private after a pull (tb_apply's prologue uncloned the skb,
-		 * if tb_flip had not pulled already) */
-		__u8 *data = (__u8 *)(long)skb->data, *dend = (__u8 *)(long)skb->data_end, *p;
-		__u32 o = off & 0xffff;
-
-		/* the verifier sets a packet range only for offsets + size <= 0xffff: the last bytes of a 64 KB
-		 * packet take the helpers */
-		p = data + o;
-		if (o == off && o < 0xffff && p + 1 <= dend) {
-			b = *p;
-			*p = b ^ mask;
-		} else {
-			if (bpf_skb_load_bytes(skb, off, &b, 1)) {
-				x->err = 1;
-				return;
-			}
-			b ^= mask;
-			if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
-				x->err = 1;
-				return;
-			}
-			b ^= mask;
-		}
-	}
-	/* 16-bit words as the kernel sums them (little-endian loads): an even offset is the low byte; b is the
-	 * byte before the flip */
-	m = (off & 1) ? ((__u64)mask << 8) : mask;
-	dd = (b & mask) ? (0xffff ^ m) : m;
+	dd = csum_delta(off, mask, b);
 	x->applied++;
 	if (off >= x->l4) {
 		x->d_l4 += dd;
@@ -704,26 +714,11 @@ struct kx {
 	struct kflow blank;  /* never written: a new flow's value (too large for the stack) */
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct kx);
-} tb_kscratch SEC(".maps");
+ONE(PERCPU_ARRAY, struct kx, tb_kscratch);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 1024);
-	__type(key, struct flow_key);
-	__type(value, struct kflow);
-} tb_kflows SEC(".maps");
+LRU(1024, struct flow_key, struct kflow, tb_kflows);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 1024);
-	__type(key, struct pair_key);
-	__type(value, __u64);
-} tb_pairs SEC(".maps");
+LRU(1024, struct pair_key, __u64, tb_pairs);
 
 /* Philox4x32-10 (Salmon et al., SC'11) at counter (blk low, blk high, j, c3): counterflips.philox4x32 */
 static __always_inline void philox(__u32 w[4], __u64 blk, __u32 j, __u32 c3, __u32 k0, __u32 k1)
@@ -1016,7 +1011,7 @@ static long kparse(__u64 i, void *arg)
 /* Apply flip q (an eligible bit offset of range r) to the packet, with protection and counters. */
 static __always_inline void kflip_at(struct __sk_buff *skb, struct kx *x, struct cfg *c, struct krange *r, __u64 q)
 {
-	__u64 within = q - x->ke, slot, fb, m, dd;
+	__u64 within = q - x->ke, slot, fb;
 	__u32 off;
 	__u8 mask = 0x80 >> (q & 7), b;
 
@@ -1066,29 +1061,13 @@ static __always_inline void kflip_at(struct __sk_buff *skb, struct kx *x, struct
 			x->maxoff = off;
 		return;
 	}
-	if (x->pulled < 2 && beyond_linear(skb, off)) {
-		/* linear (and private) up to this byte the first time, all of it the second: one copy of what is
-		 * flipped, not a reallocation per store (bpf_skb_store_bytes pulls up to its byte) */
-		__u32 n = x->pulled ? skb->len : off + 1;
-
-		x->pulled++;
-		if (bpf_skb_pull_data(skb, n))
-			x->err = 1;
-	}
-	if (bpf_skb_load_bytes(skb, off, &b, 1)) {
+	pull_to(skb, off, &x->pulled, &x->err);  /* not a reallocation per store (a store helper pulls to its byte) */
+	if (poke_helpers(skb, off, mask, &b)) {
 		x->err = 1;
 		return;
 	}
-	b ^= mask;
-	if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
-		x->err = 1;
-		return;
-	}
-	b ^= mask;  /* the byte before the flip */
-	m = (off & 1) ? ((__u64)mask << 8) : mask;
-	dd = (b & mask) ? (0xffff ^ m) : m;
 	x->applied++;
-	x->d_l4 += dd;
+	x->d_l4 += csum_delta(off, mask, b);
 }
 
 static __always_inline void next_block(struct kx *x, __u32 *bm_clear)
@@ -1465,39 +1444,21 @@ static long kapply_step(__u64 i, void *arg)
 {
 	struct kctx *kc = arg;
 	struct __sk_buff *skb = kc->skb;
-	__u32 zero = 0, v, off, o;
+	__u32 zero = 0, v, off;
 	struct kx *x = bpf_map_lookup_elem(&tb_kscratch, &zero);
-	__u8 *data, *dend, *p, mask, b;
-	__u64 m, dd;
+	__u8 mask, b;
 
 	if (!x || i >= x->nfo || i >= NFLIP)
 		return 1;
 	v = x->fo[i & (NFLIP - 1)];
 	off = v >> 3;
 	mask = 0x80 >> (v & 7);
-	data = (__u8 *)(long)skb->data;
-	dend = (__u8 *)(long)skb->data_end;
-	o = off & 0xffff;
-	p = data + o;
-	if (o == off && o < 0xffff && p + 1 <= dend) {
-		b = *p;
-		*p = b ^ mask;
-	} else {  /* the last bytes of a 64 KB packet (the verifier's packet range ends at 0xffff) */
-		if (bpf_skb_load_bytes(skb, off, &b, 1)) {
-			x->err = 1;
-			return 0;
-		}
-		b ^= mask;
-		if (bpf_skb_store_bytes(skb, off, &b, 1, 0)) {
-			x->err = 1;
-			return 0;
-		}
-		b ^= mask;
+	if (poke(skb, off, mask, &b)) {
+		x->err = 1;
+		return 0;
 	}
-	m = (off & 1) ? ((__u64)mask << 8) : mask;
-	dd = (b & mask) ? (0xffff ^ m) : m;
 	x->applied++;
-	x->d_l4 += dd;
+	x->d_l4 += csum_delta(off, mask, b);
 	return 0;
 }
 
