@@ -147,10 +147,10 @@ PRIVILEGED_FIXTURES = {"gloo_captures"}
 MOVED_TO_TEST_ALL = {
     # the bpf tracker's replay rows beyond in-order, retransmission, fail-closed and fp32 protection
     "test_gloo_tracker.py::test_bpf_tracker_headers_split_everywhere": 26,
-    "test_gloo_tracker.py::test_bpf_tracker_collective_filter[{'allreduce'}]": 19,
-    "test_gloo_tracker.py::test_bpf_tracker_collective_filter[{'p2p'}]": 19,
-    "test_gloo_tracker.py::test_bpf_tracker_collective_filter[{'broadcast', 'allgather'}]": 15,
-    "test_gloo_tracker.py::test_bpf_tracker_protected_bits[fp32-protect1-0.0005]": 15,
+    "test_gloo_tracker.py::test_bpf_tracker_collective_filter[allreduce]": 19,
+    "test_gloo_tracker.py::test_bpf_tracker_collective_filter[p2p]": 19,
+    "test_gloo_tracker.py::test_bpf_tracker_collective_filter[allgather+broadcast]": 15,
+    "test_gloo_tracker.py::test_bpf_tracker_protected_bits[fp32-protect1-0.000125]": 6,
     "test_gloo_tracker.py::test_bpf_tracker_protected_bits[bf16-protect2-0.0]": 15,
     "test_faults_runtime.py::test_an_ssh_machine_that_stops_answering_mid_up": 47,  # test_remote.py: timeouts
     "test_faults_runtime.py::test_a_bpf_engine_whose_filter_is_deleted_mid_point_makes_that_point_invalid_and_the_"

@@ -776,7 +776,7 @@ def test_hot_path_is_cheap(dirs):
 # (the tracker's eligible ranges and the counter function's keys agree), and every flip must land in a data
 # frame's payload (the reference parse above). Frames of at most 1448 payload bytes: a test run takes one page.
 
-BPF_BER = 2e-3
+BPF_BER = 5e-4
 ISN = 0x7FFFFF00  # near a wrap: stream offsets cross 2^32 - ISN within the first bytes
 
 
@@ -856,16 +856,19 @@ def _inside(bits, ranges) -> bool:
 
 
 def test_bpf_tracker_equal_flips_in_order(dirs, tmp_path):
-    """Both recordings, both directions, in stream order cut at 1448 bytes: the bpf program's flips are the
-    NFQUEUE engine's, all inside data payloads, thousands of them; every stream byte parsed, none desynced."""
+    """Both recordings, both directions, in stream order cut at 1448 bytes (the first 1,200 packets of each: every
+    kind of frame of the workload's first part): the bpf program's flips are the NFQUEUE engine's, all inside data
+    payloads, thousands of them; every byte parsed, none desynced."""
     for x in dirs:
-        b, n, st = _replay(x, list(_mss(x.segments)), tmp_path)
-        payload = sum(e - s for s, e in x.expected)
+        segs = list(_mss(x.segments))[:1200]
+        b, n, st = _replay(x, segs, tmp_path)
+        end = segs[-1][0] + len(segs[-1][1])
+        payload = sum(max(0, min(e, end) - s) for s, e in x.expected)
         assert b == n, (x.mode, x.d.initiator, len(b), len(n))
         assert _inside(b, x.expected)
         assert len(b) > 0.5 * BPF_BER * 8 * payload, (len(b), payload)
         assert st["flows_desynced"] == 0 and st["packets_errors"] == 0 and st["bits_seen"] == 8 * payload, st
-        assert st["frames"] == len(x.frames) and st["header_bytes"] == len(x.stream) - payload
+        assert st["frames"] == sum(f.start + 48 <= end for f in x.frames)
 
 
 def test_bpf_tracker_headers_split_everywhere(dirs, tmp_path):
@@ -882,10 +885,10 @@ def test_bpf_tracker_headers_split_everywhere(dirs, tmp_path):
 
 def test_bpf_tracker_retransmissions_get_the_same_flips(dirs, tmp_path):
     """Every third packet is sent again after the next one (a retransmission, cut differently: its second half
-    only): each resent byte carries its original's flips, in both engines (the first 1,000 packets of each
+    only): each resent byte carries its original's flips, in both engines (the first 400 packets of each
     direction)."""
     for x in dirs:
-        segs = list(_mss(x.segments))[:1000]
+        segs = list(_mss(x.segments))[:400]
         replayed = []
         for i, (off, data) in enumerate(segs):
             replayed.append((off, data))
@@ -926,7 +929,7 @@ def test_bpf_tracker_reordered_inside_a_frame(dirs, tmp_path):
     earlier one, when it comes, as new bytes of the same frame: the flips and counts of the in-order stream."""
     x = max(dirs, key=lambda d: max(f.length for f in d.frames if f.is_data))
     big = max((f for f in x.frames if f.is_data), key=lambda f: f.length)
-    segs = list(_mss(x.segments))
+    segs = [sg for sg in _mss(x.segments) if sg[0] < big.payload[1] + 20_000]  # up to just past the big frame
     inside = [i for i in range(len(segs) - 1) if big.payload[0] <= segs[i][0]
               and segs[i + 1][0] + len(segs[i + 1][1]) <= big.payload[1]]
     assert len(inside) > 20
@@ -939,7 +942,8 @@ def test_bpf_tracker_reordered_inside_a_frame(dirs, tmp_path):
     assert (st["bits_seen"], st["bits_flipped"]) == (st0["bits_seen"], st0["bits_flipped"])
 
 
-@pytest.mark.parametrize("names", [{"allreduce"}, {"p2p"}, {"broadcast", "allgather"}], ids=str)
+@pytest.mark.parametrize("names", [{"allreduce"}, {"p2p"}, {"broadcast", "allgather"}],
+                         ids=lambda n: "+".join(sorted(n)))
 def test_bpf_tracker_collective_filter(dirs, tmp_path, names):
     codes = collective_codes(names)
     for x in dirs:
@@ -954,7 +958,7 @@ def test_bpf_tracker_protected_bits(dirs, tmp_path, element, protect, pber):
     """Protection in the kernel: the same applied flips as the NFQUEUE engine (protected positions dropped, or
     kept by the residual hash at protected_ber / ber), the same counters by field."""
     for x in dirs:
-        b, n, st = _replay(x, list(_mss(x.segments))[:1500], tmp_path, element=element, protect=protect,
+        b, n, st = _replay(x, list(_mss(x.segments))[:800], tmp_path, element=element, protect=protect,
                            protected_ber=pber)
         assert b == n, (x.mode, element, protect, len(b), len(n))
         assert st["flips_corrected"] > 0 and st["bits_protected"] > 0
