@@ -885,10 +885,10 @@ def test_bpf_tracker_headers_split_everywhere(dirs, tmp_path):
 
 def test_bpf_tracker_retransmissions_get_the_same_flips(dirs, tmp_path):
     """Every third packet is sent again after the next one (a retransmission, cut differently: its second half
-    only): each resent byte carries its original's flips, in both engines (the first 400 packets of each
+    only): each resent byte carries its original's flips, in both engines (the first 250 packets of each
     direction)."""
     for x in dirs:
-        segs = list(_mss(x.segments))[:400]
+        segs = list(_mss(x.segments))[:250]
         replayed = []
         for i, (off, data) in enumerate(segs):
             replayed.append((off, data))
