@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 import struct
 
+from testbed.engine.counterflips import MAX_TAIL
+
 __all__ = ["NSLOTS", "NDIG", "NPORTS", "NEPOCHS", "SCOPES", "CHECKSUMS", "COUNTERS", "UNPARSED", "gap_table",
            "model_tables", "encode_cfg", "config_value", "decode_config_version", "decode_state", "sum_counters",
            "CONFIG_SIZE", "STATE_SIZE", "COUNTERS_SIZE", "keyed", "keyed_words"]
@@ -43,10 +45,11 @@ COUNTERS = ("packets", "bytes", "packets_modified", "packets_multiflip", "packet
 UNPARSED = {"u_short": "short", "u_not_ipv4": "not_ipv4", "u_bad_ihl": "bad_ihl", "u_bad_length": "bad_length",
             "u_fragment": "fragment", "u_not_tcp_udp": "not_tcp_udp", "u_bad_l4_header": "bad_l4_header"}
 NCOUNTERS = 64
-MAXTAIL = 128  # flip.c MAXTAIL = counterflips.MAX_TAIL
+MAXTAIL = MAX_TAIL  # flip.c's MAXTAIL: the longest count table the program takes
 
 _TABLE_WORDS = 2 + NDIG
-_KEYED_WORDS = 14 + MAXTAIL  # keyed, fk[2], lk[2], codes, vbits, pmask, smask, emask, resid, salt_seed, max_frame, ntail, tail
+# keyed, fk[2], lk[2], codes, vbits, pmask, smask, emask, resid, salt_seed, max_frame, ntail, tail[MAXTAIL]
+_KEYED_WORDS = 14 + MAXTAIL
 _CFG_WORDS = 10 + NPORTS + 4 * _TABLE_WORDS + _KEYED_WORDS
 CONFIG_SIZE = 8 * (2 + NSLOTS * _CFG_WORDS)
 _STATE_HEAD = ("applied", "slot", "generation", "rng", "cursor", "gen_pos", "gen_idx", "next_flip", "bad",
