@@ -10,8 +10,8 @@ applied inside the workers, no wire; docs/experiments.md).
 
 Each wire arm brings its topology up once (engines at BER 0, scope tensor, engine of the arm) and trains every
 repetition on it (as `testbed train NAME` does); repetitions interleave the arms (the machine's drift falls on all).
-Per run: the step time (median over steps of the slowest rank's step_time_s, the first step included), the run's
-wall time (the workers' start to their end, summary `wall_s`, else the controller's), lost (skipped) steps, flips.
+Per run: the step time (the summary's median_step_time_s: over steps, the slowest rank's, the first included), the run's
+wall time (`wall_s`, the controller's; `wall_time_s`, the workers' from the summary), lost (skipped) steps, flips.
 Per model and arm: medians over repetitions, and each arm's ratio to the process injector in the same repetition.
 Run as root from the repository root; writes JSON (atomically) and prints a table.
 """
@@ -35,18 +35,6 @@ from testbed.fileio import write_json_atomic  # noqa: E402
 from testbed.net import Testbed, teardown  # noqa: E402
 from testbed.topology.topo import Topology  # noqa: E402
 from testbed.train.settings import TrainSettings  # noqa: E402
-
-
-def step_time(run_dir: Path) -> float | None:
-    """Median over steps of the slowest rank's step time."""
-    per_step: dict[int, float] = {}
-    for f in run_dir.glob("metrics-rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                if r.get("step_time_s") is not None:
-                    per_step[r["step"]] = max(per_step.get(r["step"], 0.0), r["step_time_s"])
-    return statistics.median(per_step.values()) if per_step else None
 
 
 def main() -> int:
@@ -88,7 +76,7 @@ def main() -> int:
                     row = {"model": model, "arm": arm, "rep": rep, "status": s.get("status"),
                            "steps_completed": s.get("steps_completed"), "skipped_steps": s.get("skipped_steps"),
                            "bits_seen": s.get("bits_seen"), "bits_flipped": s.get("bits_flipped"),
-                           "step_time_s": step_time(out), "wall_s": wall,
+                           "step_time_s": s.get("median_step_time_s"), "wall_s": wall,
                            "wall_time_s": s.get("wall_time_s"), "final_loss": s.get("final_loss"), "engines": [e.get("engine") for e in s.get("engines", [])]}
                     rows.append(row)
                     print(json.dumps(row), flush=True)

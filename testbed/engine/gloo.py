@@ -28,6 +28,7 @@ from typing import NamedTuple
 __all__ = [
     "HEADER_SIZE",
     "HANDSHAKE_SIZE",
+    "MAX_FRAME_BYTES",
     "OP_SEND_BUFFER",
     "OP_SEND_UNBOUND_BUFFER",
     "OP_NOTIFY_SEND_READY",
@@ -81,6 +82,7 @@ COLLECTIVE_NAMES.update({
     "all_gather": 0x02, "all_to_all": 0x08, "alltoallv": 0x08,
 })
 
+MAX_FRAME_BYTES = 1 << 31  # the largest data frame the tracker accepts (the bpf engine's tracker too)
 _SLOT_UNUSED_BITS = 0xFFFF << 8  # must be zero in collective slots
 _MAX_SANE = 1 << 48  # loose bound for notify lengths and SEND_BUFFER offsets
 
@@ -124,7 +126,7 @@ def parse_gloo_header(data: bytes | bytearray | memoryview, offset: int = 0) -> 
     return GlooHeader(*HEADER.unpack_from(data, offset))
 
 
-def header_problem(h: GlooHeader | tuple, max_frame_bytes: int = 1 << 31) -> str | None:
+def header_problem(h: GlooHeader | tuple, max_frame_bytes: int = MAX_FRAME_BYTES) -> str | None:
     """Why ``h`` cannot be a header gloo (as used by torch) writes, or None when it can."""
     nbytes, opcode, slot, offset, length, roffset = h
     if opcode == OP_SEND_UNBOUND_BUFFER or opcode == OP_SEND_BUFFER:
@@ -209,7 +211,7 @@ class GlooStreamTracker:
         "handshake", "bytes_by_collective",
     )
 
-    def __init__(self, initiator: bool, collectives: set[str] | None = None, max_frame_bytes: int = 1 << 31,
+    def __init__(self, initiator: bool, collectives: set[str] | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
                  *, history_bytes: int = 64 << 20, max_ooo_bytes: int = 16 << 20):
         self.initiator = bool(initiator)
         # Slot codes of the collectives whose payload is eligible; None: every data frame. Settable: the

@@ -107,7 +107,7 @@ def keyed_words(*, ber: float, seed: int, generation: int, scope: str, collectiv
     """The keyed part of a `struct cfg` slot: the engine's keys (as the NFQUEUE engine's CounterModel derives
     them), the tensor scope's filter and value layout, the count table."""
     from testbed.engine import counterflips
-    from testbed.engine.gloo import COLLECTIVE_CODES, collective_codes
+    from testbed.engine.gloo import COLLECTIVE_CODES, MAX_FRAME_BYTES, collective_codes
     from testbed.engine.models import TAG_FLOW, TAG_LINK
     from testbed.engine.protect import BitLayout
 
@@ -126,7 +126,7 @@ def keyed_words(*, ber: float, seed: int, generation: int, scope: str, collectiv
     fk = counterflips.key_of(seed, TAG_FLOW, generation)
     lk = counterflips.key_of(seed, TAG_LINK, generation)
     words = [1, fk[0], fk[1], lk[0], lk[1], mask, layout.bits, pmask, smask if scope == "tensor" else 0,
-             emask if scope == "tensor" else 0, resid, int(seed) & _U64_MAX, 1 << 31, len(table)]
+             emask if scope == "tensor" else 0, resid, int(seed) & _U64_MAX, MAX_FRAME_BYTES, len(table)]
     return words + list(table) + [0] * (MAXTAIL - len(table))
 
 
