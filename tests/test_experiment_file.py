@@ -168,7 +168,7 @@ def test_fingerprints_are_per_recipe_and_unchanged_without_recipes(tmp_path):
         "recipe: [default, sanitize, protect, bf16]", "recipe: [default]"), "plain.yaml"))
     assert plain.fingerprint() == fps["default"]
     d = plain.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies", "recipes",
-                                       "tokens_per_step", "fault", "tolerance", "resources"})
+                                       "tokens_per_step", "fault", "tolerance", "resources", "reuse"})
     for k in LATER_DEFAULTS:  # settings added since: absent from the hash at their defaults
         assert d["train"].pop(k) == LATER_DEFAULTS[k]
     d["topologies"] = {m: hashlib.sha256(PAIR.read_bytes()).hexdigest() for m in ("ddp", "pp")}

@@ -85,7 +85,9 @@ class ResultsStore:
 
     Rows of another fingerprint (the model, steps, training settings, a recipe, topologies or runtime changed)
     are not this experiment's results: they move to results-<fingerprint>.jsonl instead of mixing into the
-    report. `fingerprints`: those of the experiment's recipes (one string: a single one).
+    report. `fingerprints`: those of the experiment's recipes (one string: a single one). `aliases`: {another
+    experiment's fingerprint: this one's} for rows this experiment reuses (its `reuse:`): kept, and done() counts
+    them as rows of the recipe they alias.
 
     A line that is no row (cut off, not JSON, JSON but not an object, an object without a point id: the file was
     damaged outside the testbed, which only ever replaces it whole) is never dropped silently: it moves to
@@ -93,8 +95,9 @@ class ResultsStore:
     (file, line, problem, the point a cut-off row still names); a point left without a row runs again.
     A failed write (disk full) raises OutputError; the file on disk keeps its earlier complete version."""
 
-    def __init__(self, out: Path, fingerprints: str | set[str]):
-        fingerprints = {fingerprints} if isinstance(fingerprints, str) else set(fingerprints)
+    def __init__(self, out: Path, fingerprints: str | set[str], aliases: dict[str, str] | None = None):
+        self.aliases = dict(aliases or {})
+        fingerprints = ({fingerprints} if isinstance(fingerprints, str) else set(fingerprints)) | set(self.aliases)
         self.path = out / RESULTS_FILE
         self.rows: dict[str, dict] = {}
         self.notes: list[str] = []  # what was found and done on opening, for the run to print
@@ -155,7 +158,9 @@ class ResultsStore:
     def done(self, point: Point, fingerprint: str | None = None) -> dict | None:
         """The point's row, if it is there (and has `fingerprint`, when given: that of the point's recipe)."""
         row = self.rows.get(point.id)
-        return row if row is not None and fingerprint in (None, row.get("fingerprint")) else None
+        if row is None or fingerprint is None:
+            return row
+        return row if self.aliases.get(row.get("fingerprint"), row.get("fingerprint")) == fingerprint else None
 
     def add(self, row: dict) -> None:
         before = self.rows.get(row["point"], _MISSING)
@@ -529,7 +534,8 @@ def open_run(exp: Experiment, out: str | Path, runtime: str | None, recipes: lis
         # every recipe of the grid (a part keeps the others' rows), and a control's baseline recipe even outside it
         fps = {r: exp.fingerprint(runtime, r)
                for r in dict.fromkeys([*exp.spec.grid.recipe, *(p.recipe for p in points)])}
-        store = ResultsStore(out, set(fps.values()))
+        aliases = {alt: fp for r, fp in fps.items() for alt in exp.reused_fingerprints(runtime, r)}
+        store = ResultsStore(out, set(fps.values()), aliases)
     except BaseException:
         lock.release()
         raise
@@ -597,7 +603,7 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
 def warm_group(exp: Experiment, point: Point) -> tuple:
     """What the points that share a warm topology or local services share: injector, topology, mode, hosts."""
     cfg = train_config(exp, point)
-    return cfg.injector, exp.recipe(point.recipe).topology or exp.spec.topologies[point.mode], point.mode, cfg.hosts
+    return cfg.injector, exp.topology_file(point.mode, point.recipe), point.mode, cfg.hosts
 
 
 def run_point(exp: Experiment, point: Point, out: Path, runtime: str | None, fp: str, name: str,

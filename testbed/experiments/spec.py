@@ -127,6 +127,9 @@ class LinkSpec(_Strict):
     element: Literal[ELEMENT_TYPES] | None = None
     protect: list[Literal[PROTECT_FIELDS] | Annotated[int, Field(ge=0, le=31)]] | None = None
     protected_ber: Ber | None = None
+    # the residual as a fraction of each point's BER (protected_ber = protected_fraction x BER): one recipe for a
+    # whole BER grid, e.g. 1e-3 for a protection that leaves a thousandth of the line's errors on protected bits
+    protected_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     profile: Literal[PROFILE_NAMES] | None = None  # type: ignore[valid-type]
     # one-way delay on every link direction (netem: where the kernel has it; docs/theory.md, "Link layers")
     delay: Annotated[float | None, BeforeValidator(lambda x: None if x is None else units.parse_duration(x))] = None
@@ -136,8 +139,13 @@ class RecipeSpec(_Strict):
     description: str | None = None
     train: PartialTrainSpec = Field(default_factory=PartialTrainSpec)
     link: LinkSpec = Field(default_factory=LinkSpec)
-    topology: str | None = Field(default=None, description="this recipe's topology file, for every mode "
-                                                            "(instead of `topologies`)")
+    topology: str | dict[Literal[MODES], str] | None = Field(
+        default=None, description="this recipe's topology file instead of `topologies`: one for every mode, or one "
+                                  "per mode ({ddp: ring4.yaml, pp: chain4.yaml}; a mode it leaves out takes the "
+                                  "file's)")
+    mode: Annotated[list[Literal[MODES]], Field(min_length=1)] | None = Field(
+        default=None, description="this recipe's modes instead of grid.mode (a subset of it): e.g. a DDP-only "
+                                  "rank count")
     model: ModelName | None = Field(default=None, description="this recipe's GPT-2 preset (instead of the file's "
                                                                "`model`): a size ladder in one file")
     steps: int | None = Field(default=None, ge=1, description="this recipe's training steps (instead of the file's "
@@ -192,6 +200,11 @@ class ExperimentFile(_Strict):
     tolerance: Tolerance = Field(default=DEFAULT_TOLERANCE, description="the paired rule's tolerance on the "
                                  "eval-loss gap, relative to the clean eval loss ('1%' or 0.01); set before the run")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    reuse: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,15}$")]] = Field(
+        default_factory=list, description="names of other experiments whose rows count as this file's where a "
+                                          "recipe has the same name and settings (the fingerprint it would have "
+                                          "under that name): copy their results.jsonl into --out, and those points "
+                                          "are not run again")
 
 
 def format_ber(ber: float) -> str:
@@ -259,11 +272,15 @@ class Experiment:
             except TopologyError as e:
                 problems.append((f"topologies.{mode}", str(e)))
         for name, r in spec.recipes.items():
-            if r.topology is not None:
+            own = r.topology if isinstance(r.topology, dict) else {"": r.topology} if r.topology else {}
+            for mode, f in own.items():
                 try:
-                    Topology.load(exp.resolve(r.topology))
+                    Topology.load(exp.resolve(f))
                 except TopologyError as e:
-                    problems.append((f"recipes.{name}.topology", str(e)))
+                    problems.append((f"recipes.{name}.topology" + (f".{mode}" if mode else ""), str(e)))
+            if r.mode is not None and set(r.mode) - set(spec.grid.mode):
+                problems.append((f"recipes.{name}.mode", f"{', '.join(sorted(set(r.mode) - set(spec.grid.mode)))} "
+                                                         f"is not in grid.mode ({', '.join(spec.grid.mode)})"))
         if not problems:
             problems += exp._recipe_problems()
         if not problems and spec.fault is not None:
@@ -323,7 +340,7 @@ class Experiment:
             if isinstance(r.ber, dict):
                 problems += [(f"recipes.{name}.ber", f"names no BERs for mode {m}, which the grid runs (give a list "
                                                      "for every mode, or one per mode of grid.mode)")
-                             for m in spec.grid.mode if m not in r.ber]
+                             for m in self.modes_of(name) if m not in r.ber]
             if r.ber is not None and self.is_control(name):
                 problems.append((f"recipes.{name}.ber", "a control runs at BER 0 only: it takes no BERs"))
         if problems:
@@ -334,7 +351,7 @@ class Experiment:
             problems += [(f"{w}.batch_size", "tokens_per_step sets the batch size of every mode: set one of them, "
                                              "not both") for w in setters]
         for name in [None, *dict.fromkeys(spec.grid.recipe)]:  # None: the file's train: alone
-            for mode in spec.grid.mode:
+            for mode in (self.modes_of(name) if name else spec.grid.mode):
                 try:
                     self._settings(Point(mode, 0.0, "tensor", "fix", 0, name or DEFAULT_RECIPE),
                                    self.recipe(name) if name else None)
@@ -347,7 +364,7 @@ class Experiment:
                     return problems  # every recipe would repeat them
                 continue
             for i, lam in enumerate(spec.grid.ber_at_lambda or []):
-                for mode in spec.grid.mode:
+                for mode in self.modes_of(name):
                     if self.is_control(name) or any(p[0].startswith("recipes.") for p in problems):
                         continue
                     try:
@@ -365,7 +382,14 @@ class Experiment:
                 if isinstance(bit, int) and bit >= width:
                     problems.append((f"recipes.{name}.link.protect[{i}]",
                                      f"bit {bit} is not a bit of a {element} value (0-{width - 1})"))
-            bers = [b for m in spec.grid.mode for b in self.bers_of(name, m) if b > 0]
+            if link.protected_fraction is not None and link.protected_ber is not None:
+                problems.append((f"recipes.{name}.link.protected_fraction", "set protected_ber (one residual BER) "
+                                                                             "or protected_fraction (a fraction of "
+                                                                             "each point's BER), not both"))
+            if link.protected_fraction and not link.protect:
+                problems.append((f"recipes.{name}.link.protected_fraction", "a residual on protected bits needs "
+                                                                             "protect (the bits it applies to)"))
+            bers = [b for m in self.modes_of(name) for b in self.bers_of(name, m) if b > 0]
             if link.protected_ber and bers and link.protected_ber > min(bers):
                 problems.append((f"recipes.{name}.link.protected_ber",
                                  f"must not exceed the {'recipe' if self.recipe(name).ber else 'grid'}'s smallest "
@@ -376,8 +400,7 @@ class Experiment:
     def topology(self, mode: str, recipe: str | None = None) -> Topology:
         """The topology of a mode's points, or of a recipe's when the recipe names its own. Read once per file
         and version of it (a Topology is immutable): checking a ladder of recipes asks for it hundreds of times."""
-        own = self.recipe(recipe).topology if recipe else None
-        path = self.resolve(own or self.spec.topologies[mode])
+        path = self.resolve(self.topology_file(mode, recipe))
         try:
             st = path.stat()
             key = (str(path), st.st_mtime_ns, st.st_size)
@@ -386,6 +409,19 @@ class Experiment:
         if key not in self._topologies:
             self._topologies[key] = Topology.load(path)
         return self._topologies[key]
+
+    def topology_file(self, mode: str, recipe: str | None = None) -> str:
+        """The topology file (as the experiment file names it) of a recipe's points in a mode: the recipe's own
+        (one for every mode, or its entry for the mode), else the file's `topologies`."""
+        own = self.recipe(recipe).topology if recipe else None
+        if isinstance(own, dict):
+            own = own.get(mode)
+        return own or self.spec.topologies[mode]
+
+    def modes_of(self, recipe: str) -> list[str]:
+        """The modes a recipe's points run: the recipe's own `mode`, else grid.mode (in grid order)."""
+        own = self.recipe(recipe).mode
+        return [m for m in self.spec.grid.mode if own is None or m in own]
 
     def fault_link(self, point: Point) -> str | None:
         """The link that carries the point's BER when the file has a `fault:` (None: every link does, or the
@@ -411,8 +447,8 @@ class Experiment:
             problems.append(("fault.background_ber", f"must be below the grid's smallest BER > 0, {min(bers):g} "
                                                      "(the bad link must be worse than the others)"))
         if f.link != "random":
-            for mode in self.spec.grid.mode:
-                for name in dict.fromkeys(self.spec.grid.recipe):
+            for name in dict.fromkeys(self.spec.grid.recipe):
+                for mode in self.modes_of(name):
                     topo = self.topology(mode, name)
                     if f.link not in candidate_links(topo):
                         problems.append(("fault.link", f"no link {f.link!r} that can carry errors in topology "
@@ -509,11 +545,15 @@ class Experiment:
     def link_settings(self, point: Point) -> dict:
         """The recipe's link settings that train() applies to every link, unset ones left out. element defaults
         to the wire dtype (scope tensor: the engine's field counters and protection need the value layout);
-        a clean point has no residual errors on protected bits either."""
+        a clean point has no residual errors on protected bits either; protected_fraction becomes protected_ber
+        = fraction x the point's BER."""
         link = self.recipe(point.recipe).link.model_dump(exclude_none=True)
         wire = self.train_settings(point).wire_dtype
         if point.scope == "tensor" and "element" not in link and (wire != "fp32" or link.get("protect")):
             link["element"] = wire
+        fraction = link.pop("protected_fraction", None)
+        if fraction is not None:
+            link["protected_ber"] = fraction * point.ber
         if point.ber == 0 and link.get("protected_ber"):
             link["protected_ber"] = 0.0
         return link
@@ -526,10 +566,10 @@ class Experiment:
         """The grid, with any missing BER-0 baselines added, baselines first (deviation needs them)."""
         g = self.spec.grid
         pts = [Point(m, b, s, c, seed, r, against=self.recipe(r).baseline)
-               for r, m in itertools.product(g.recipe, g.mode)
+               for r in g.recipe for m in self.modes_of(r)
                for b, s, c, seed in itertools.product(self.bers_of(r, m), g.scope, g.checksum, self.seeds_of(r))
                if b == 0 or not self.is_control(r)]
-        for r, m, lam in itertools.product(g.recipe, g.mode, g.ber_at_lambda or []):
+        for r, m, lam in ((r, m, lam) for r in g.recipe for m in self.modes_of(r) for lam in g.ber_at_lambda or []):
             if self.is_control(r):
                 continue
             b = self.ber_at_lambda(r, m, lam)
@@ -545,13 +585,19 @@ class Experiment:
 
         return sorted(base, key=order) + sorted((p for p in pts if p not in base), key=order)
 
-    def fingerprint(self, runtime: str | None = None, recipe: str = DEFAULT_RECIPE) -> str:
+    def reused_fingerprints(self, runtime: str | None, recipe: str) -> list[str]:
+        """The fingerprints a recipe's rows have in the experiments this file reuses (`reuse:`)."""
+        return [self.fingerprint(runtime, recipe, name=n) for n in self.spec.reuse if n != self.spec.name]
+
+    def fingerprint(self, runtime: str | None = None, recipe: str = DEFAULT_RECIPE, name: str | None = None) -> str:
         """Identifies everything that shapes the result of a recipe's points but the grid: model, steps, the
         training settings with the recipe's over them, its link settings, tokens_per_step, the topology files'
         contents and the runtime. A re-run reuses a finished point only if it matches. A file without recipes
         and tokens_per_step hashes as it did before they existed."""
         d = self.spec.model_dump(exclude={"grid", "latency", "description", "point_timeout", "topologies",
-                                          "recipes", "tokens_per_step", "fault", "tolerance", "resources"})
+                                          "recipes", "tokens_per_step", "fault", "tolerance", "resources", "reuse"})
+        if name is not None:  # the same recipe as another experiment would fingerprint it (reuse:)
+            d["name"] = name
         r = self.recipe(recipe)
         if r.model is not None:
             d["model"] = r.model
@@ -567,8 +613,13 @@ class Experiment:
             d["tokens_per_step"] = self.spec.tokens_per_step
         d["topologies"] = {m: hashlib.sha256(self.resolve(f).read_bytes()).hexdigest()
                            for m, f in sorted(self.spec.topologies.items())}
-        if r.topology:
+        if isinstance(r.topology, str):
             d["topologies"]["recipe"] = hashlib.sha256(self.resolve(r.topology).read_bytes()).hexdigest()
+        elif r.topology:  # one per mode
+            d["topologies"]["recipe"] = {m: hashlib.sha256(self.resolve(f).read_bytes()).hexdigest()
+                                         for m, f in sorted(r.topology.items())}
+        if r.mode is not None:
+            d["modes"] = sorted(r.mode)
         if self.spec.fault is not None:
             d["fault"] = self.spec.fault.model_dump()
         d["runtime"] = runtime or self.spec.runtime or "netns"
@@ -581,7 +632,9 @@ class Experiment:
         if raw.get("latency"):
             raw["latency"]["topology"] = str(self.resolve(raw["latency"]["topology"]).resolve())
         for r in (raw.get("recipes") or {}).values():
-            if isinstance(r, dict) and r.get("topology"):
+            if isinstance(r, dict) and isinstance(r.get("topology"), dict):
+                r["topology"] = {m: str(self.resolve(f).resolve()) for m, f in r["topology"].items()}
+            elif isinstance(r, dict) and r.get("topology"):
                 r["topology"] = str(self.resolve(r["topology"]).resolve())
         return yaml.safe_dump(raw, sort_keys=False)
 
