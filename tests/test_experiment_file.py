@@ -211,6 +211,14 @@ def test_unknown_recipe_in_the_grid_names_the_line(tmp_path):
     ("{color: red}", "recipes.bad.color: unknown key"),
     ("{train: {wire_dtype: bf16}, link: {protect: [sign, 20]}}",
      "recipes.bad.link.protect[1]: bit 20 is not a bit of a bf16 value (0-15)"),
+    ("{link: {protect: [sign], protected_fraction: 1e-3, protected_ber: 1e-9}}",
+     "recipes.bad.link.protected_fraction: set protected_ber (one residual BER) or protected_fraction"),
+    ("{link: {protected_fraction: 1e-3}}", "recipes.bad.link.protected_fraction: a residual on protected bits "
+                                           "needs protect"),
+    ("{link: {protect: [sign], protected_fraction: 2}}", "recipes.bad.link.protected_fraction: Input should be "
+                                                         "less than or equal to 1"),
+    ("{mode: [ddp, xp]}", "recipes.bad.mode[1]"),
+    ("{topology: {ddp: nowhere.yaml}}", "recipes.bad.topology.ddp"),
 ])
 def test_bad_recipes_name_the_field(tmp_path, recipe, where):
     text = RECIPES.replace("recipe: [default, sanitize, protect, bf16]", "recipe: [default, bad]")
@@ -280,3 +288,62 @@ def test_bad_tolerance_exits_2_naming_the_line_and_field(tmp_path, value, proble
     msg = refused(tmp_path, path)
     assert msg.startswith(f"{path}:{len(GOOD.splitlines()) + 1}: tolerance: "), msg
     assert problem in msg, msg
+
+
+RING4 = ROOT / "topologies" / "ring4.yaml"
+CHAIN4 = ROOT / "topologies" / "chain4.yaml"
+
+
+def test_recipe_modes_topology_per_mode_and_protected_fraction(tmp_path):
+    """A recipe may run a subset of grid.mode, take a topology per mode, and give its residual on protected bits as
+    a fraction of each point's BER; each changes only that recipe's fingerprint."""
+    text = RECIPES.replace("recipe: [default, sanitize, protect, bf16]",
+                           "recipe: [default, r4, ddponly, protres]").replace("ber: [0, 1e-5]", "ber: [0, 1e-5, 1e-4]")
+    text = text.replace("batch_size: 4", "batch_size: 4") + f"""  r4: {{topology: {{ddp: {RING4}, pp: {CHAIN4}}}}}
+  ddponly: {{mode: [ddp], topology: {RING4}}}
+  protres: {{link: {{protect: [sign, exponent], protected_fraction: 1e-3}}}}
+"""
+    exp = Experiment.load(write(tmp_path, text))
+    pts = exp.points()
+    assert {p.mode for p in pts if p.recipe == "ddponly"} == {"ddp"}
+    assert {p.mode for p in pts if p.recipe == "r4"} == {"ddp", "pp"}
+    assert exp.world_size("ddp", None, "r4") == exp.world_size("pp", None, "r4") == 4
+    assert exp.topology("pp", "r4").name == "chain4" and exp.topology("ddp", "r4").name == "ring4"
+    assert exp.topology("pp", "default").name == "pair"
+    res = {p.ber: exp.link_settings(p)["protected_ber"] for p in pts if p.recipe == "protres" and p.mode == "ddp"}
+    assert res == {0.0: 0.0, 1e-5: pytest.approx(1e-8), 1e-4: pytest.approx(1e-7)}
+    fps = {r: exp.fingerprint(None, r) for r in ("default", "r4", "ddponly", "protres")}
+    assert len(set(fps.values())) == 4
+    # the portable copy keeps the per-mode topologies, as absolute paths
+    copy = write(tmp_path, exp.portable_copy(), "copy.yaml")
+    again = Experiment.load(copy)
+    assert {r: again.fingerprint(None, r) for r in fps} == fps
+
+
+def test_reuse_counts_another_experiments_rows_of_the_same_recipe(tmp_path):
+    """`reuse: [other]`: a recipe with the same name and settings as in experiment `other` accepts that
+    experiment's rows (their fingerprint is the recipe's under that name); a changed recipe does not."""
+    from testbed.experiments.runner import ResultsStore, open_run
+
+    first = Experiment.load(write(tmp_path, RECIPES, "first.yaml"))
+    second_text = RECIPES.replace("name: check", "name: second\nreuse: [check]").replace(
+        "sanitize_threshold: 100.0", "sanitize_threshold: 10.0")
+    second = Experiment.load(write(tmp_path, second_text, "second.yaml"))
+    assert second.fingerprint(None, "protect") != first.fingerprint(None, "protect")  # the name is in the hash
+    assert second.reused_fingerprints(None, "protect") == [first.fingerprint(None, "protect")]
+    assert second.reused_fingerprints(None, "sanitize") != [first.fingerprint(None, "sanitize")]  # changed
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [{"point": p.id, "recipe": p.recipe, "fingerprint": first.fingerprint(None, p.recipe), "status": "ok"}
+            for p in first.points()]
+    (out / "results.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    _, _, fps, store, points = open_run(second, out, None)
+    try:
+        done = {p.recipe for p in points if store.done(p, fps[p.recipe])}
+        assert done == {"default", "protect", "bf16"}  # sanitize changed: its points run again
+    finally:
+        store.close()
+    # the changed recipe's rows are another fingerprint's: moved aside, as any stale row is
+    aside = [__import__("json").loads(line) for f in out.glob("results-*.jsonl") for line in open(f)]
+    assert sorted(r["recipe"] for r in aside) == ["sanitize"] * 4
+    assert len(ResultsStore(out, set(fps.values()), {first.fingerprint(None, "protect"): fps["protect"]}).rows) == 4

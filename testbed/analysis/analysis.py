@@ -385,6 +385,10 @@ def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, train: dic
                       checksum=points[0]["checksum"], steps=setup.get("steps"),
                       **{k: setup.get(k) for k in ("model", "n_params", "lr", "world_size", "batch_size", "seq_len")},
                       settings={k: points[0].get(k) for k in RECIPE_FIELDS},
+                      # protected bits' residual as a fraction of the BER (protected_fraction; the settings above
+                      # are the clean point's, where it is 0): what tells protect from protect + residual apart
+                      residual=max((p["protected_ber"] / p["ber"] for p in points
+                                    if p["ber"] > 0 and finite(p.get("protected_ber"))), default=0.0),
                       seeds=max((p["n_seeds"] for p in points), default=0),
                       tokens_per_step=next((p["tokens_per_step"] for p in points if p["tokens_per_step"]), None),
                       published_ber=PUBLISHED_TOLERATED_BER.get(points[0]["mode"]))

@@ -227,7 +227,9 @@ def families(th: dict[str, dict], tolerance: float | None = None) -> list[dict]:
         if iv is None:
             continue
         settings = t.get("settings") or {}
-        key = (t["mode"], t["scope"], t["checksum"], _settings_key(settings))
+        # the same recipe on another rank count, or with another residual on protected bits, is another family
+        key = (t["mode"], t["scope"], t["checksum"], _settings_key(settings), t.get("world_size"),
+               float(f"{t.get('residual') or 0.0:.3g}"))
         fam = groups.setdefault(key, {"kind": recipe_kind(settings), "mode": t["mode"], "scope": t["scope"],
                                       "checksum": t["checksum"], "settings": settings, "sizes": []})
         tol_ber = t.get("theory_tolerated_ber")
@@ -239,8 +241,17 @@ def families(th: dict[str, dict], tolerance: float | None = None) -> list[dict]:
                              "lambda_per_ber": lambda_per_ber_of(t.get("model"), t), "threshold": t})
     out = []
     for fam in groups.values():
-        fam["sizes"].sort(key=lambda s: (s["n_params"], model_key(s["model"])))
-        out.append(fam)
+        models = [s["model"] for s in fam["sizes"]]
+        if len(set(models)) < len(models):  # a size twice (a long run beside the ladder's): one family per length
+            by_steps: dict = {}
+            for s in fam["sizes"]:
+                by_steps.setdefault(s["steps"], []).append(s)
+            split = [{**fam, "sizes": sizes} for _, sizes in sorted(by_steps.items(), key=lambda kv: kv[0] or 0)]
+        else:
+            split = [fam]
+        for f in split:
+            f["sizes"].sort(key=lambda s: (s["n_params"], model_key(s["model"])))
+            out.append(f)
     return sorted(out, key=lambda f: (("default", "sanitize", "protect", "other").index(f["kind"]),
                                       f["mode"] != "ddp", f["scope"], f["checksum"], str(f["settings"])))
 

@@ -32,6 +32,7 @@ from testbed.analysis import theory
 from testbed.report.linklayer import linklayer_section
 from testbed.report.calibration import calibration_section
 from testbed.report.scaling import ladder_headline, scaling_section, size_threshold_section
+from testbed.report.paperregime import paper_regime_section
 from testbed.analysis.analysis import (BOUND_LEVEL, LATENCY_STATS, PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES,
                                       aggregate, deviation_fits, interval, latency_entries, orderings, point_config,
                                       published_verdict, retransmission_penalties, sum_or_none, theory_comparison,
@@ -993,6 +994,8 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     fits = {} if faults else deviation_fits(rows)
     md = [f"# Experiment {name}: bit errors in distributed GPT-2 training", ""]
     md += coverage_lines(missing or {}, rows)
+    # experiments/paper-regime.yaml: thresholds beside the paper's and the chaos floor lead; [] otherwise
+    md += paper_regime_section(rows, th)
     # experiments with monitored points (docs/locate.md): their detection table and plot lead; [] otherwise
     md += locate_section(rows, _locate_plot_line(rows, out_dir))
     # rows with link profiles (experiments/linklayer.yaml); [] otherwise

@@ -1,0 +1,108 @@
+"""The report's section for experiments/paper-regime.yaml: one table, size | mode | recipe | measured threshold
+[interval] | paper | chaos floor ratio, then the cheapest recipe that reaches the paper's BERs, thresholds against
+rank count with their fit, and the 10x-long runs (the statistics: testbed/analysis/regime.py)."""
+
+from __future__ import annotations
+
+import math
+
+from testbed.analysis import regime
+from testbed.analysis.formatting import ber_text, fmt, fmt_signed, md_table, mode_name
+from testbed.analysis.results import finite
+from testbed.report.scaling import range_text
+
+
+def _interval(e: dict) -> str:
+    text = range_text(e["max_ok"] or 0.0, e["min_fail"] if e["min_fail"] is not None else math.inf)
+    return text + (" (non-monotonic)" if e["non_monotonic"] else "")
+
+
+def _ratio(e: dict) -> str:
+    if e["floor"] is None:
+        return "— (no controls)"
+    if e["floor_ratio"] is None:
+        return f"— (floor {fmt(e['floor'])})"
+    return f"{fmt(e['floor_ratio'])}x (floor {fmt(e['floor'])})"
+
+
+def _prediction(p: dict | None) -> str:
+    if not p or p.get("ber") is None:
+        return "—"
+    t = p.get("t")
+    return f"{ber_text(p['ber'])}" + (f" (95 % t [{ber_text(t[0])}, {ber_text(t[1])}])" if t else "")
+
+
+def _slope_cell(f: dict) -> str:
+    fit, rng = f.get("fit"), f.get("slope_range")
+    ls = f"{fit['slope']:+.2f}" if fit else "—"
+    return ls + (f"; every line [{rng[0]:+.2f}, {rng[1]:+.2f}]" if rng else "; no power law fits every interval")
+
+
+def paper_regime_section(rows: list[dict], th: dict[str, dict]) -> list[str]:
+    """[] unless the rows hold BER-0 controls beside paired-rule thresholds (and no lambda grid: scaling.yaml's
+    controls have their own section)."""
+    if not regime.has_controls(rows) or any(finite(r.get("ber_at_lambda")) is not None for r in rows):
+        return []
+    table = regime.regime_table(rows, th)
+    if not table:
+        return []
+    md = ["## Where the published thresholds hold", "",
+          "Paired rule at the registered tolerance (last passing – first failing BER); paper: the published "
+          "analysis of GPT-2 124M (DDP < 1e-4, PP < 1e-5). Chaos floor ratio: the smallest final weight deviation "
+          "among the runs at the last passing BER over the largest deviation of the BER-0 controls (one weight's "
+          "mantissa LSB after step 1, the batch order reversed) of the same size, mode and steps; at most 1x the "
+          "verdict is \"indistinguishable\" (the link's effect there cannot be told from a one-bit perturbation), "
+          "not \"tolerated\". 124M: beside it the size fit's prediction from tiny/small/mini (the README's).", ""]
+    md += md_table(["size", "mode", "recipe", "steps", "seeds", "measured threshold [interval]", "paper",
+                    "chaos floor ratio", "verdict", "predicted (size fit)"],
+                   [[e["model"], mode_name(e["mode"]), e["label"], str(e["steps"]), str(e["seeds"]), _interval(e),
+                     f"< {ber_text(e['paper'])}", _ratio(e), e["verdict"], _prediction(e["prediction"])]
+                    for e in table]) + [""]
+    for c in regime.cheapest(table):
+        pub = ber_text(c["paper"])
+        if c["cheapest"]:
+            e = c["cheapest"]
+            md.append(f"- {c['model']} {mode_name(c['mode'])}: the cheapest recipe that reaches the paper's "
+                      f"{pub} is **{e['label']}** (last passing {ber_text(e['max_ok'])}; {e['verdict']}, floor "
+                      f"ratio {_ratio(e)}); tried, cheapest first: {', '.join(c['tried'])}.")
+        else:
+            md.append(f"- {c['model']} {mode_name(c['mode'])}: no recipe tried reaches the paper's {pub} "
+                      f"({', '.join(c['tried'])}).")
+    md.append("")
+    fits = regime.rank_fits(th)
+    if fits:
+        md += ["### Thresholds against rank count", "",
+               "The same recipe on 2 hosts (pair), 4 (DDP ring4, PP chain4) and 8 (DDP ring8), at the same tokens "
+               "per step: slope of log10 threshold against log10 ranks, least squares through the two-sided "
+               "intervals' midpoints and the slopes of every line through every interval; theory: the slope of "
+               "its BER at fixed λ (a DDP ring of N moves 2 (N - 1) chunks of the gradient a step; PP's hops grow "
+               "with the stage boundaries).", ""]
+        md += md_table(["size", "mode", "recipe", "thresholds by ranks", "slope (measured)", "theory slope",
+                        "verdict"],
+                       [[f["model"], mode_name(f["mode"]), f["label"],
+                         "; ".join(f"{p['ranks']}: {range_text(*p['interval'])}" for p in f["points"]),
+                         _slope_cell(f), f"{f['theory_slope']:+.2f}" if f["theory_slope"] is not None else "—",
+                         f["verdict"] or "—"] for f in fits]) + [""]
+    longs = regime.long_runs(rows)
+    if longs:
+        md += ["### 10x longer at the threshold BER", "",
+               "Per seed, gap = eval loss of the long run at the BER - its clean run's at the same step; the "
+               "change of the gap from the first evaluation at or after step 300 to the last (two-sided 95 % t "
+               "over seeds): grows or closes when the interval excludes 0, else stays.", ""]
+        rows_md = []
+        for e in longs:
+            at = {c["step"]: c for c in e["curve"]}
+            first = e["change"]["from"] if e["change"] else None
+            last = e["curve"][-1] if e["curve"] else None
+            ch = e["change"]
+            rows_md.append([e["model"], mode_name(e["mode"]), ber_text(e["ber"]), str(len(e["seeds"])),
+                            (f"{fmt_signed(at[first]['mean'])} (bound {fmt_signed(at[first]['upper'])}, tol "
+                             f"{fmt(at[first]['tolerance'])})" if first in at else "—"),
+                            (f"{fmt_signed(last['mean'])} (bound {fmt_signed(last['upper'])}, tol "
+                             f"{fmt(last['tolerance'])})" if last else "—"),
+                            (f"{fmt_signed(ch['mean'])} [{fmt_signed(ch['ci'][0])}, {fmt_signed(ch['ci'][1])}]: "
+                             f"**{ch['verdict']}**" if ch else "—"),
+                            f"{fmt(e['floor_ratio'])}x" if e["floor_ratio"] is not None else "—"])
+        md += md_table(["size", "mode", "BER", "seeds", "gap at step 300", "gap at the end", "change", "floor ratio"],
+                       rows_md) + [""]
+    return md

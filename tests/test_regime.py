@@ -1,0 +1,107 @@
+"""The paper-regime table's statistics (testbed/analysis/regime.py) on hand-made rows: pure logic, no root. The
+rows it reads come from real runs of experiments/paper-regime.yaml (docs/results/paper-regime)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from testbed.analysis import regime
+from testbed.analysis.analysis import aggregate, thresholds
+from testbed.report.paperregime import paper_regime_section
+
+
+def row(recipe, mode, ber, seed, eval_loss, *, model="tiny", steps=300, world=2, dev=None, perturb="none",
+        guard="skip", wire="fp32", protect=None, protected_ber=0.0, curve=None):
+    return {"point": f"{mode}-{ber}-{recipe}-{seed}", "recipe": recipe, "mode": mode, "scope": "tensor",
+            "checksum": "fix", "ber": ber, "seed": seed, "status": "ok", "model": model, "steps": steps,
+            "steps_completed": steps, "world_size": world, "initial_eval_loss": 6.0, "final_eval_loss": eval_loss,
+            "final_deviation": dev, "perturb": perturb, "guard": guard, "wire_dtype": wire, "protect": protect,
+            "protected_ber": protected_ber, "tokens_per_step": 512, "batch_size": 4, "seq_len": 64,
+            "eval_curve": curve or [[steps, eval_loss]], "made_progress": True}
+
+
+def ladder(recipe, bers_ok, bers_fail, *, dev_at_ok=1.0, **kw):
+    rows = [row(recipe, "ddp", 0.0, s, 4.0 + 0.001 * s, dev=0.0, **kw) for s in (1, 2, 3)]
+    rows += [row(recipe, "ddp", b, s, 4.0 + 0.001 * s, dev=dev_at_ok, **kw) for b in bers_ok for s in (1, 2, 3)]
+    rows += [row(recipe, "ddp", b, s, 4.5 + 0.01 * s, dev=10.0, **kw) for b in bers_fail for s in (1, 2, 3)]
+    return rows
+
+
+def controls(value, **kw):
+    return [row("c", "ddp", 0.0, s, 4.0, dev=value, perturb="weight-lsb", **kw) for s in (1, 2, 3)]
+
+
+def table_of(rows):
+    th = thresholds(aggregate(rows), 0.01)
+    return th, regime.regime_table(rows, th)
+
+
+@pytest.mark.parametrize("settings,residual,label", [
+    ({}, 0, "default"), ({"guard": "sanitize"}, 0, "sanitize"), ({"wire_dtype": "bf16"}, 0, "bf16"),
+    ({"protect": "sign,exponent"}, 0, "protect"), ({"protect": "sign,exponent"}, 1e-3, "protect + residual"),
+    ({"guard": "sanitize", "protect": "sign"}, 0, "sanitize + protect"), ({"clip": "none"}, 0, "clip none"),
+])
+def test_recipe_label_is_read_from_settings(settings, residual, label):
+    assert regime.recipe_label({"settings": settings, "residual": residual}) == label
+
+
+def test_floor_ratio_decides_tolerated_or_indistinguishable():
+    rows = ladder("a", [1e-6], [1e-5], dev_at_ok=5.0) + controls(0.5)
+    _, table = table_of(rows)
+    (e,) = table
+    assert (e["max_ok"], e["min_fail"], e["floor"]) == (1e-6, 1e-5, 0.5)
+    assert e["floor_ratio"] == pytest.approx(10.0) and e["verdict"] == "tolerated"
+    rows = ladder("a", [1e-6], [1e-5], dev_at_ok=0.4) + controls(0.5)
+    assert table_of(rows)[1][0]["verdict"] == "indistinguishable"
+    # no controls of the same size and steps: no floor, said so
+    rows = ladder("a", [1e-6], [1e-5]) + controls(0.5, steps=3000)
+    assert table_of(rows)[1][0]["verdict"] == "tolerated (no floor measured)"
+    rows = ladder("a", [], [1e-6]) + controls(0.5)
+    assert table_of(rows)[1][0]["verdict"] == "fails at every tested BER"
+
+
+def test_cheapest_recipe_is_the_first_in_cost_order_that_reaches_the_paper():
+    rows = (ladder("def", [], [1e-6]) + ladder("prot", [1e-5, 1e-4], [1e-3], protect="sign,exponent")
+            + ladder("sp", [1e-5, 1e-4, 1e-3], [], guard="sanitize", protect="sign,exponent")
+            + ladder("res", [1e-5], [1e-4], protect="sign,exponent", protected_ber=1e-3) + controls(0.5))
+    for r in rows:  # protres: the residual is 1e-3 x each point's BER
+        if r["recipe"] == "res":
+            r["protected_ber"] = 1e-3 * r["ber"]
+    _, table = table_of(rows)
+    (c,) = regime.cheapest(table)
+    assert c["cheapest"]["label"] == "protect"  # sanitize + protect also reaches 1e-4, but costs more
+    assert c["tried"] == ["default", "protect + residual", "protect", "sanitize + protect"]
+    md = "\n".join(paper_regime_section(rows, thresholds(aggregate(rows), 0.01)))
+    assert "the cheapest recipe that reaches the paper's 1e-04 is **protect**" in md
+
+
+def test_rank_fit_measures_the_slope_against_ranks():
+    rows = []
+    for world, (ok, fail) in {2: (1e-7, 3e-7), 4: (3e-8, 1e-7), 8: (1e-8, 3e-8)}.items():
+        rows += [{**r, "recipe": f"r{world}", "point": r["point"] + f"w{world}"}
+                 for r in ladder("x", [ok], [fail], world=world)]
+    (f,) = regime.rank_fits(thresholds(aggregate(rows), 0.01))
+    assert [p["ranks"] for p in f["points"]] == [2, 4, 8]
+    assert f["fit"]["slope"] == pytest.approx(-1 / math.log10(4), abs=0.01)  # midpoints a half-decade apart
+    assert f["theory_slope"] == pytest.approx(-1.4, abs=0.1)  # lambda per BER grows as 2 (N - 1)
+
+
+def test_long_run_gap_change_and_verdict():
+    steps = list(range(100, 3001, 100))
+    rows = []
+    for s in (1, 2, 3):
+        clean = [[st, 4.0 - st / 10000] for st in steps]
+        rows.append(row("long", "ddp", 0.0, s, clean[-1][1], steps=3000, curve=clean, dev=0.0))
+        grow = [[st, 4.0 - st / 10000 + 0.01 + st / 100000 + 0.001 * s] for st in steps]
+        rows.append(row("long", "ddp", 1e-7, s, grow[-1][1], steps=3000, curve=grow, dev=2.0))
+    rows += controls(0.5, steps=3000)
+    (e,) = regime.long_runs(rows)
+    assert e["change"]["from"] == 300 and e["change"]["to"] == 3000
+    assert e["change"]["mean"] == pytest.approx(0.027) and e["change"]["verdict"] == "grows"
+    assert e["floor_ratio"] == pytest.approx(4.0)
+    for r in rows:  # the same gap throughout (seed-dependent offsets only): "stays"
+        if r["ber"] > 0:
+            r["eval_curve"] = [[st, 4.0 - st / 10000 + 0.01 + 0.001 * r["seed"] * (st % 200 == 0)] for st in steps]
+    assert regime.long_runs(rows)[0]["change"]["verdict"] == "stays"
