@@ -105,3 +105,43 @@ def test_long_run_gap_change_and_verdict():
         if r["ber"] > 0:
             r["eval_curve"] = [[st, 4.0 - st / 10000 + 0.01 + 0.001 * r["seed"] * (st % 200 == 0)] for st in steps]
     assert regime.long_runs(rows)[0]["change"]["verdict"] == "stays"
+
+
+def test_ranks_modes_and_a_residual_run_end_to_end_with_the_process_injector(tmp_path):
+    """`testbed run` on a small paper-regime file (real gloo on loopback, the process injector): a recipe with a
+    topology per mode trains DDP on 4 ranks (ring4) and PP on 4 stages (chain4); a DDP-only recipe runs no PP
+    point; protected_fraction gives each point its residual; the report leads with the paper-regime table."""
+    import json
+
+    from conftest import ROOT, tb_cli
+
+    topo = ROOT / "topologies"
+    f = tmp_path / "regime.yaml"
+    f.write_text(f"""name: regime
+model: tiny
+steps: 4
+tokens_per_step: 256
+topologies: {{ddp: {topo / 'pair.yaml'}, pp: {topo / 'pair.yaml'}}}
+recipes:
+  r4: {{topology: {{ddp: {topo / 'ring4.yaml'}, pp: {topo / 'chain4.yaml'}}}, ber: [1e-4]}}
+  res: {{mode: [ddp], link: {{protect: [sign, exponent], protected_fraction: 1e-3}}, ber: [1e-3]}}
+  res-wlsb: {{mode: [ddp], baseline: res, train: {{perturb: weight-lsb}}}}
+grid: {{recipe: [r4, res, res-wlsb], mode: [ddp, pp], ber: [0], seed: [1, 2]}}
+train: {{injector: process, seq_len: 32, eval_every: 2, eval_batches: 1, timeout: 60}}
+""")
+    out = tmp_path / "out"
+    r = tb_cli("run", str(f), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert all(x["status"] == "ok" and x["injector"] == "process" for x in rows), [x["status"] for x in rows]
+    r4 = [x for x in rows if x["recipe"] == "r4"]
+    assert len(r4) == 8 and {x["world_size"] for x in r4} == {4}
+    assert {x["mode"]: x["topology"] for x in r4} == {"ddp": "ring4", "pp": "chain4"}
+    assert {x["batch_size"] for x in r4 if x["mode"] == "ddp"} == {2}  # 256 tokens over 4 ranks of 32
+    res = [x for x in rows if x["recipe"].startswith("res")]
+    assert {x["mode"] for x in res} == {"ddp"} and len(res) == 6
+    assert {x["ber"]: x["protected_ber"] for x in res if x["recipe"] == "res"} == {0.0: 0.0, 1e-3: 1e-6}
+    assert all(x["bits_flipped"] > 0 for x in rows if x["ber"] > 0)
+    md = (out / "report.md").read_text()
+    assert md.index("## Where the published thresholds hold") < md.index("## Summary")
+    assert "| tiny | DDP | protect + residual | 4 | 2 |" in md
