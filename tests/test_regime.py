@@ -124,9 +124,10 @@ tokens_per_step: 256
 topologies: {{ddp: {topo / 'pair.yaml'}, pp: {topo / 'pair.yaml'}}}
 recipes:
   r4: {{topology: {{ddp: {topo / 'ring4.yaml'}, pp: {topo / 'chain4.yaml'}}}, ber: [1e-4]}}
-  res: {{mode: [ddp], link: {{protect: [sign, exponent], protected_fraction: 1e-3}}, ber: [1e-3]}}
-  res-wlsb: {{mode: [ddp], baseline: res, train: {{perturb: weight-lsb}}}}
-grid: {{recipe: [r4, res, res-wlsb], mode: [ddp, pp], ber: [0], seed: [1, 2]}}
+  plain: {{mode: [ddp], ber: [1e-3]}}
+  res: {{mode: [ddp], baseline: plain, link: {{protect: [sign, exponent], protected_fraction: 1e-3}}, ber: [1e-3]}}
+  res-wlsb: {{mode: [ddp], baseline: plain, train: {{perturb: weight-lsb}}}}
+grid: {{recipe: [r4, plain, res, res-wlsb], mode: [ddp, pp], ber: [0], seed: [1, 2]}}
 train: {{injector: process, seq_len: 32, eval_every: 2, eval_batches: 1, timeout: 60}}
 """)
     out = tmp_path / "out"
@@ -139,9 +140,14 @@ train: {{injector: process, seq_len: 32, eval_every: 2, eval_batches: 1, timeout
     assert {x["mode"]: x["topology"] for x in r4} == {"ddp": "ring4", "pp": "chain4"}
     assert {x["batch_size"] for x in r4 if x["mode"] == "ddp"} == {2}  # 256 tokens over 4 ranks of 32
     res = [x for x in rows if x["recipe"].startswith("res")]
-    assert {x["mode"] for x in res} == {"ddp"} and len(res) == 6
-    assert {x["ber"]: x["protected_ber"] for x in res if x["recipe"] == "res"} == {0.0: 0.0, 1e-3: 1e-6}
+    assert {x["mode"] for x in res} == {"ddp"} and len(res) == 4
+    # res shares plain's clean runs (it differs in link: alone): no BER-0 run of its own, its points pair with
+    # plain's, and its residual is 1e-3 of the point's BER
+    assert {(x["ber"], x["protected_ber"], x["baseline"]) for x in res if x["recipe"] == "res"} == {
+        (1e-3, 1e-6, "ddp-ber0-tensor-fix-plain-s1"), (1e-3, 1e-6, "ddp-ber0-tensor-fix-plain-s2")}
+    assert all(x["final_deviation"] is not None for x in res)
     assert all(x["bits_flipped"] > 0 for x in rows if x["ber"] > 0)
     md = (out / "report.md").read_text()
     assert md.index("## Where the published thresholds hold") < md.index("## Summary")
-    assert "| tiny | DDP | protect + residual | 4 | 2 |" in md
+    line = next(x for x in md.splitlines() if x.startswith("| tiny | DDP | protect + residual | 4 | 2 |"))
+    assert "—" not in line.split("|")[6]  # a measured interval: the shared clean runs are its baseline

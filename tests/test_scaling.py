@@ -111,7 +111,10 @@ def test_ber_at_lambda_without_catastrophic_values_is_refused(tmp_path):
     ("{model: tiny, train: {perturb: order}}", "recipes.ctl.baseline: a control (train: perturb) must name"),
     ("{model: tiny, baseline: nope, train: {perturb: order}}", "recipes.ctl.baseline: must name another recipe"),
     ("{model: tiny, baseline: ctl, train: {perturb: order}}", "recipes.ctl.baseline: must name another recipe"),
-    ("{model: tiny, baseline: tiny}", "recipes.ctl.baseline: only a control"),
+    ("{model: tiny, baseline: tiny, train: {guard: sanitize}}",
+     "recipes.ctl.baseline: a recipe shares another's clean runs only when it differs from it in link: alone "
+     "(here also guard)"),
+    ("{model: small, baseline: tiny, link: {protect: [sign]}}", "(here also model)"),
     ("{model: tiny, baseline: tiny-lsb, train: {perturb: order}}", "tiny-lsb is a control itself"),
     ("{model: huge}", "recipes.ctl.model: Input should be"),
     ("{model: tiny, train: {perturb: flip}}", "recipes.ctl.train.perturb: Input should be"),

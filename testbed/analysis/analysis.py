@@ -266,9 +266,16 @@ def aggregate(rows: list[dict], train: dict | None = None) -> list[dict]:
     points = [_aggregate_point(g) for _, g in sorted(groups.items(), key=lambda kv: (*config_sort_key(kv[0][:4]),
                                                                                          kv[0][4]))]
     clean = {point_config(p): p for p in points if p["ber"] == 0}
+    # a recipe that shares another's clean runs (its baseline: testbed/experiments/spec.py) has none of its own:
+    # its rows name the clean point they pair with
+    by_id = {r.get("point"): r for r in rows}
+    shared = {config_of(r): config_of(by_id[r["baseline"]]) for r in rows
+              if ber_of(r) > 0 and r.get("baseline") in by_id and config_of(by_id[r["baseline"]]) != config_of(r)}
     for p in points:
         p["prediction"] = predict_point(p, train)
-        base = clean.get(point_config(p))
+        own = point_config(p) if point_config(p) in clean else shared.get(point_config(p))
+        p["clean_config"] = own
+        base = clean.get(own)
         p["clean_eval_loss_mean"] = base["eval_loss_mean"] if base else None
         p["clean_eval_loss_std"] = base["eval_loss_std"] if base else None
         gap_ok = p["eval_loss_mean"] is not None and p["clean_eval_loss_mean"] is not None
@@ -365,7 +372,8 @@ def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, train: dic
     out: dict[str, dict] = {}
     for key in dict.fromkeys(_config_key(p) for p in agg):
         points = [p for p in agg if _config_key(p) == key]
-        clean = next((p for p in points if p["ber"] == 0), None)
+        clean = next((p for p in points if p["ber"] == 0), None) or next(
+            (p for p in agg if p["ber"] == 0 and point_config(p) == points[0].get("clean_config")), None)
         setup = {**{k: v for k, v in (train or {}).items() if v is not None},
                  **{k: v for k, v in points[0].items() if v is not None}}
         result = _threshold_of(points, clean, tolerance)

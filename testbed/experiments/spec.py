@@ -151,8 +151,11 @@ class RecipeSpec(_Strict):
     steps: int | None = Field(default=None, ge=1, description="this recipe's training steps (instead of the file's "
                                                               "`steps`)")
     baseline: Annotated[str, Field(pattern=RECIPE_NAME)] | None = Field(
-        default=None, description="a control (train: perturb): the recipe whose clean runs its weight deviation is "
-                                  "measured against; a control runs at BER 0 only")
+        default=None, description="the recipe whose clean runs this recipe's points are compared with. A control "
+                                  "(train: perturb) runs at BER 0 only, against them; a recipe that differs from "
+                                  "its baseline only in `link:` (protect, protected_ber, protected_fraction, "
+                                  "element: nothing at BER 0) runs no clean runs of its own, its BER points are "
+                                  "paired with the baseline's (the same training, bit for bit)")
     ber: BerList | dict[Literal[MODES], BerList] | None = Field(
         default=None, description="this recipe's BERs instead of grid.ber: one list for every mode, or one per mode "
                                   "({ddp: [...], pp: [...]}: a threshold grid around each mode's own); the clean "
@@ -225,7 +228,7 @@ class Point:
     seed: int
     recipe: str = DEFAULT_RECIPE
     lam: float | None = None  # grid.ber_at_lambda: the lambda the BER was computed for
-    against: str | None = None  # a control's baseline recipe (RecipeSpec.baseline)
+    against: str | None = None  # the recipe whose clean runs it is compared with (RecipeSpec.baseline)
 
     @property
     def id(self) -> str:
@@ -237,7 +240,7 @@ class Point:
     @property
     def baseline(self) -> "Point":
         """The clean run this point is compared with: same recipe, mode, scope, checksum and seed at BER 0 (a
-        control: its baseline recipe's)."""
+        recipe with a baseline: that recipe's)."""
         return Point(self.mode, 0.0, self.scope, self.checksum, self.seed, self.against or self.recipe)
 
     def params(self) -> dict:
@@ -328,9 +331,14 @@ class Experiment:
             if r.baseline is not None and (r.baseline not in defined or r.baseline == name):
                 problems.append((f"recipes.{name}.baseline", f"must name another recipe of the file "
                                                              f"({', '.join(n for n in defined if n != name)})"))
-            elif r.baseline is not None and not self.is_control(name):
-                problems.append((f"recipes.{name}.baseline", "only a control (train: perturb lsb, weight-lsb or "
-                                                             "order) is measured against another recipe"))
+            elif r.baseline is not None and not self.is_control(name) and self._differs_beyond_link(name):
+                problems.append((f"recipes.{name}.baseline", "a recipe shares another's clean runs only when it "
+                                                             "differs from it in link: alone (here also "
+                                                             f"{self._differs_beyond_link(name)}); a control "
+                                                             "(train: perturb) may differ in its perturbation"))
+            elif r.baseline is not None and not self.is_control(name) and self.recipe(r.baseline).baseline:
+                problems.append((f"recipes.{name}.baseline", f"{r.baseline} takes its clean runs from another "
+                                                             "recipe itself: name that one"))
             elif r.baseline is not None and self.is_control(r.baseline):
                 problems.append((f"recipes.{name}.baseline", f"{r.baseline} is a control itself (perturbed)"))
             elif self.is_control(name) and r.baseline is None:
@@ -481,6 +489,23 @@ class Experiment:
         own = self.recipe(recipe).seed
         return list(self.spec.grid.seed if own is None else own)
 
+    def _differs_beyond_link(self, name: str) -> str:
+        """What besides `link:` differs between a recipe and its baseline ('' when nothing): the clean runs of
+        the two are then not the same training."""
+        r, b = self.recipe(name), self.recipe(self.recipe(name).baseline)
+        merged = lambda x: {**self.spec.train.model_dump(), **x.train.model_dump(exclude_unset=True)}  # noqa: E731
+        diff = [k for k, v in merged(r).items() if merged(b).get(k) != v]
+        diff += [k for k in ("model", "steps") if getattr(r, k) != getattr(b, k)]
+        diff += ["topology"] * any(self.topology_file(m, name) != self.topology_file(m, r.baseline)
+                                   for m in self.modes_of(name))
+        diff += ["mode"] * bool(set(self.modes_of(name)) - set(self.modes_of(r.baseline)))
+        diff += ["seed"] * bool(set(self.seeds_of(name)) - set(self.seeds_of(r.baseline)))
+        return ", ".join(diff)
+
+    def shares_clean_runs(self, recipe: str) -> bool:
+        """A recipe whose BER points pair with its baseline's clean runs (a baseline that is no control's)."""
+        return self.recipe(recipe).baseline is not None and not self.is_control(recipe)
+
     def is_control(self, recipe: str) -> bool:
         """A recipe that perturbs a clean run (train: perturb other than none): it runs at BER 0 only."""
         return (self.recipe(recipe).train.perturb or "none") != "none"
@@ -568,12 +593,12 @@ class Experiment:
         pts = [Point(m, b, s, c, seed, r, against=self.recipe(r).baseline)
                for r in g.recipe for m in self.modes_of(r)
                for b, s, c, seed in itertools.product(self.bers_of(r, m), g.scope, g.checksum, self.seeds_of(r))
-               if b == 0 or not self.is_control(r)]
+               if (b == 0 or not self.is_control(r)) and (b > 0 or not self.shares_clean_runs(r))]
         for r, m, lam in ((r, m, lam) for r in g.recipe for m in self.modes_of(r) for lam in g.ber_at_lambda or []):
             if self.is_control(r):
                 continue
             b = self.ber_at_lambda(r, m, lam)
-            pts += [Point(m, b, s, c, seed, r, lam)
+            pts += [Point(m, b, s, c, seed, r, lam, against=self.recipe(r).baseline)
                     for s, c, seed in itertools.product(g.scope, g.checksum, self.seeds_of(r))
                     if b not in self.bers_of(r, m)]
         pts = list(dict.fromkeys(pts))
