@@ -151,3 +151,12 @@ train: {{injector: process, seq_len: 32, eval_every: 2, eval_batches: 1, timeout
     assert md.index("## Where the published thresholds hold") < md.index("## Summary")
     line = next(x for x in md.splitlines() if x.startswith("| tiny | DDP | protect + residual | 4 | 2 |"))
     assert "—" not in line.split("|")[6]  # a measured interval: the shared clean runs are its baseline
+
+
+@pytest.mark.parametrize("ok,fail,verdict", [(1e-9, 3e-9, "above"), (1e-12, 3e-12, "below"),
+                                              (1e-11, 3e-11, "inside"), (None, 1e-12, "below"),
+                                              (1e-9, None, "above"), (None, 1e-10, "inside")])
+def test_fit_check_places_the_measurement_against_the_prediction(ok, fail, verdict):
+    e = {"max_ok": ok, "min_fail": fail, "prediction": {"ber": 3e-11, "t": (1e-11, 1e-10)}}
+    assert regime.fit_check(e) == verdict
+    assert regime.fit_check({**e, "prediction": None}) is None

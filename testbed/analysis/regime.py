@@ -134,6 +134,22 @@ def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
                                       e["steps"] or 0, _cost(e["label"]), e["recipe"]))
 
 
+def fit_check(e: dict) -> str | None:
+    """Was the size fit right at 124M? 'inside' when the measured interval overlaps the prediction's 95 % t
+    interval, 'above' / 'below' when it lies wholly above or below it (the fit too pessimistic / optimistic);
+    None without a prediction or a measured interval."""
+    p = e.get("prediction") or {}
+    t = p.get("t")
+    if not t or (e["max_ok"] is None and e["min_fail"] is None):
+        return None
+    lo, hi = e["max_ok"] or 0.0, e["min_fail"] if e["min_fail"] is not None else math.inf
+    if lo >= t[1]:
+        return "above"
+    if hi <= t[0]:
+        return "below"
+    return "inside"
+
+
 def cheapest(table: list[dict]) -> list[dict]:
     """Per size and mode (at the ladder's steps, or 124M's): the first recipe in COST_ORDER whose last passing BER
     reaches the paper's, or None with the recipes tried."""

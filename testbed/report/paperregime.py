@@ -32,6 +32,11 @@ def _prediction(p: dict | None) -> str:
     return f"{ber_text(p['ber'])}" + (f" (95 % t [{ber_text(t[0])}, {ber_text(t[1])}])" if t else "")
 
 
+def _theory(p: dict) -> str:
+    v = p.get("theory_ber")
+    return f" (theory ≤ {ber_text(v)})" if v is not None and 0 < v < math.inf else ""
+
+
 def _slope_cell(f: dict) -> str:
     fit, rng = f.get("fit"), f.get("slope_range")
     ls = f"{fit['slope']:+.2f}" if fit else "—"
@@ -58,6 +63,16 @@ def paper_regime_section(rows: list[dict], th: dict[str, dict]) -> list[str]:
                    [[e["model"], mode_name(e["mode"]), e["label"], str(e["steps"]), str(e["seeds"]), _interval(e),
                      f"< {ber_text(e['paper'])}", _ratio(e), e["verdict"], _prediction(e["prediction"])]
                     for e in table]) + [""]
+    for e in table:
+        check = regime.fit_check(e)
+        if check:
+            md.append(f"- {e['model']} {mode_name(e['mode'])} {e['label']}: measured {_interval(e)} against the "
+                      f"size fit's {_prediction(e['prediction'])}: " + {
+                          "inside": "the measurement lies inside the prediction's interval",
+                          "above": "the measurement lies above the prediction's interval (the fit was too "
+                                   "pessimistic)",
+                          "below": "the measurement lies below the prediction's interval (the fit was too "
+                                   "optimistic)"}[check] + ".")
     for c in regime.cheapest(table):
         pub = ber_text(c["paper"])
         if c["cheapest"]:
@@ -80,7 +95,7 @@ def paper_regime_section(rows: list[dict], th: dict[str, dict]) -> list[str]:
         md += md_table(["size", "mode", "recipe", "thresholds by ranks", "slope (measured)", "theory slope",
                         "verdict"],
                        [[f["model"], mode_name(f["mode"]), f["label"],
-                         "; ".join(f"{p['ranks']}: {range_text(*p['interval'])}" for p in f["points"]),
+                         "; ".join(f"{p['ranks']}: {range_text(*p['interval'])}" + _theory(p) for p in f["points"]),
                          _slope_cell(f), f"{f['theory_slope']:+.2f}" if f["theory_slope"] is not None else "—",
                          f["verdict"] or "—"] for f in fits]) + [""]
     longs = regime.long_runs(rows)
