@@ -160,3 +160,45 @@ def test_fit_check_places_the_measurement_against_the_prediction(ok, fail, verdi
     e = {"max_ok": ok, "min_fail": fail, "prediction": {"ber": 3e-11, "t": (1e-11, 1e-10)}}
     assert regime.fit_check(e) == verdict
     assert regime.fit_check({**e, "prediction": None}) is None
+
+
+def test_reused_clean_runs_without_run_directories_run_again_for_the_points_that_need_them(tmp_path):
+    """`reuse:` brings another experiment's rows, not its run directories; a control compared with a reused
+    clean run needs that run's saved parameters, so the clean run trains again first (bit for bit the same: the
+    same eval loss), and the control gets its deviation."""
+    import json
+
+    from conftest import ROOT, tb_cli
+
+    pair = ROOT / "topologies" / "pair.yaml"
+    text = f"""name: first
+model: tiny
+steps: 4
+tokens_per_step: 128
+topologies: {{ddp: {pair}}}
+recipes:
+  plain: {{ber: [1e-4]}}
+grid: {{recipe: [plain], mode: [ddp], ber: [0], seed: [1, 2]}}
+train: {{injector: process, seq_len: 32, eval_every: 2, eval_batches: 1, timeout: 60}}
+"""
+    (tmp_path / "first.yaml").write_text(text)
+    r = tb_cli("run", str(tmp_path / "first.yaml"), "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = {x["point"]: x for x in map(json.loads, (tmp_path / "a" / "results.jsonl").read_text().splitlines())}
+    second = text.replace("name: first", "name: second\nreuse: [first]").replace(
+        "  plain: {ber: [1e-4]}", "  plain: {ber: [1e-4]}\n  order: {baseline: plain, train: {perturb: order}}").replace(
+        "recipe: [plain]", "recipe: [plain, order]")
+    (tmp_path / "second.yaml").write_text(second)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "results.jsonl").write_text((tmp_path / "a" / "results.jsonl").read_text())
+    r = tb_cli("run", str(tmp_path / "second.yaml"), "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 clean runs have a row but no run directory" in r.stderr
+    rows = {x["point"]: x for x in map(json.loads, (tmp_path / "b" / "results.jsonl").read_text().splitlines())}
+    assert len(rows) == 6
+    for seed in (1, 2):
+        clean, ber = f"ddp-ber0-tensor-fix-plain-s{seed}", f"ddp-ber1e-4-tensor-fix-plain-s{seed}"
+        assert rows[clean]["experiment"] == "second" and rows[ber]["experiment"] == "first"  # reused, not run
+        assert rows[clean]["final_eval_loss"] == first[clean]["final_eval_loss"]  # the same run again
+        control = rows[f"ddp-ber0-tensor-fix-order-s{seed}"]
+        assert control["status"] == "ok" and control["final_deviation"] > 0

@@ -330,7 +330,7 @@ def run_jobs(exp: Experiment, out: Path, executor, points: list[Point], store, f
              say, bar, retry_failed: bool = False, detach: bool = False) -> None:
     """Run the points of `points` that have no row in `store` (and, `retry_failed`, those whose row is not ok)
     as jobs of `executor`, merging rows into `store` as they end; see the module docstring."""
-    from testbed.experiments.runner import output_error
+    from testbed.experiments.runner import output_error, points_to_run
 
     by_id = {p.id: p for p in exp.points()}
     jobs: dict[str, Job] = {}
@@ -358,8 +358,7 @@ def run_jobs(exp: Experiment, out: Path, executor, points: list[Point], store, f
                 store.add(row)
                 say(f"{p.id}: {row['status']}: merged the row a job of an earlier run wrote ({row_path(out, p.id)})")
                 bar.update(1)
-    todo = [p for p in points if p.id not in jobs and (
-        not store.done(p, fps[p.recipe]) or (retry_failed and store.done(p)["status"] != "ok"))]
+    todo = [p for p in points_to_run(points, store, fps, out, retry_failed)[0] if p.id not in jobs]
     for p in todo:
         if row_path(out, p.id).exists():  # an earlier attempt's row (e.g. failed): the new job writes its own
             row_path(out, p.id).unlink()

@@ -546,6 +546,19 @@ def open_run(exp: Experiment, out: str | Path, runtime: str | None, recipes: lis
     return out, runtime, fps, store, points
 
 
+def points_to_run(points: list[Point], store: "ResultsStore", fps: dict[str, str], out: Path,
+                  retry_failed: bool = False) -> tuple[list[Point], list[Point]]:
+    """(todo, rerun): the points without a row of their recipe's fingerprint (with retry_failed, or whose row
+    failed), in grid order; plus the clean runs among them that have a row but no run directory in `out` (rows
+    reused from another experiment, `reuse:`) and that a point to run needs: its weight deviation is measured
+    against its baseline's saved parameters, so those run again (the same run, bit for bit), before it."""
+    done = {p: store.done(p, fps[p.recipe]) for p in points}
+    todo = {p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")}
+    rerun = {p.baseline for p in todo if p.baseline != p and p.baseline not in todo and done.get(p.baseline)
+             and not (out / (done[p.baseline].get("run_dir") or "-") / "metrics.jsonl").exists()}
+    return [p for p in points if p in todo or p in rerun], [p for p in points if p in rerun]
+
+
 def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None, retry_failed: bool = False,
                    log=None, machines=None, cold: bool = False, recipes: list[str] | None = None) -> list[dict]:
     """Every point of the grid (those not already in results.jsonl), across the inventory `machines` if given.
@@ -559,8 +572,7 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
 
     out, runtime, fps, store, points = open_run(exp, out, runtime, recipes)
     try:
-        done = {p: store.done(p, fps[p.recipe]) for p in points}
-        todo = [p for p in points if not done[p] or (retry_failed and done[p]["status"] != "ok")]
+        todo, rerun = points_to_run(points, store, fps, out, retry_failed)
         bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", dynamic_ncols=True,
                    desc=exp.spec.name, file=sys.stderr)
         say = log or (lambda m: bar.write(m, file=sys.stderr))
@@ -568,6 +580,9 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
             say(note)
         if len(todo) < len(points):
             say(f"{len(points) - len(todo)} of {len(points)} points already in {out / 'results.jsonl'}: skipped")
+        if rerun:
+            say(f"{len(rerun)} clean runs have a row but no run directory in {out} (rows reused from another "
+                "experiment) and run again: the points compared with them need their parameters")
         warm = None if cold or machines is not None else WarmSweep(out)
         if warm is not None:  # a group's points together (a point's baseline is in its group, and stays before it)
             groups = list(dict.fromkeys(warm_group(exp, p) for p in todo))
