@@ -89,12 +89,12 @@ def test_rank_fit_measures_the_slope_against_ranks():
 
 
 def test_long_run_gap_change_and_verdict():
-    steps = list(range(100, 3001, 100))
+    steps = list(range(99, 3000, 100))  # eval_curve counts from step 0: 99 is the end of the 100th
     rows = []
     for s in (1, 2, 3):
         clean = [[st, 4.0 - st / 10000] for st in steps]
         rows.append(row("long", "ddp", 0.0, s, clean[-1][1], steps=3000, curve=clean, dev=0.0))
-        grow = [[st, 4.0 - st / 10000 + 0.01 + st / 100000 + 0.001 * s] for st in steps]
+        grow = [[st, 4.0 - st / 10000 + 0.01 + (st + 1) / 100000 + 0.001 * s] for st in steps]
         rows.append(row("long", "ddp", 1e-7, s, grow[-1][1], steps=3000, curve=grow, dev=2.0))
     rows += controls(0.5, steps=3000)
     (e,) = regime.long_runs(rows)
@@ -103,7 +103,7 @@ def test_long_run_gap_change_and_verdict():
     assert e["floor_ratio"] == pytest.approx(4.0)
     for r in rows:  # the same gap throughout (seed-dependent offsets only): "stays"
         if r["ber"] > 0:
-            r["eval_curve"] = [[st, 4.0 - st / 10000 + 0.01 + 0.001 * r["seed"] * (st % 200 == 0)] for st in steps]
+            r["eval_curve"] = [[st, 4.0 - st / 10000 + 0.01 + 0.001 * r["seed"] * ((st + 1) % 200 == 0)] for st in steps]
     assert regime.long_runs(rows)[0]["change"]["verdict"] == "stays"
 
 

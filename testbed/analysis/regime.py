@@ -199,13 +199,14 @@ def rank_fits(th: dict[str, dict]) -> list[dict]:
 
 
 def _eval_by_step(row: dict) -> dict[int, float]:
-    return {int(s): float(v) for s, v in (row.get("eval_curve") or []) if finite(v) is not None}
+    """{steps done: eval loss}: eval_curve counts steps from 0 (its entry at step 299 is the 300-step run's end)."""
+    return {int(s) + 1: float(v) for s, v in (row.get("eval_curve") or []) if finite(v) is not None}
 
 
 def long_runs(rows: list[dict], steps: int = 10 * LADDER_STEPS) -> list[dict]:
     """Per (model, mode, recipe) run for `steps` with a BER > 0: the paired gap over training (mean and one-sided
-    95 % t bound per evaluated step, with the tolerance there), its change from the first evaluation at or after
-    LADDER_STEPS to the last (two-sided 95 % t interval over seeds) and the verdict, and the floor ratio at the end."""
+    95 % t bound per evaluation, by steps done, with the tolerance there), its change from the evaluation after
+    LADDER_STEPS steps (or the first after) to the last (two-sided 95 % t interval over seeds) and the verdict, and the floor ratio at the end."""
     out = []
     long = [r for r in rows if r.get("steps") == steps and is_ok(r) and (r.get("perturb") or "none") == "none"]
     keys = dict.fromkeys((r.get("model"), r.get("mode"), recipe_of(r)) for r in long if ber_of(r) > 0)
