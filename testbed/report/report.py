@@ -995,7 +995,8 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     md = [f"# Experiment {name}: bit errors in distributed GPT-2 training", ""]
     md += coverage_lines(missing or {}, rows)
     # experiments/paper-regime.yaml: thresholds beside the paper's and the chaos floor lead; [] otherwise
-    md += paper_regime_section(rows, th)
+    regime = paper_regime_section(rows, th)
+    md += regime
     # experiments with monitored points (docs/locate.md): their detection table and plot lead; [] otherwise
     md += locate_section(rows, _locate_plot_line(rows, out_dir))
     # rows with link profiles (experiments/linklayer.yaml); [] otherwise
@@ -1021,7 +1022,9 @@ def build_markdown(rows: list[dict], agg: list[dict], th: dict, latency: dict | 
     else:
         md += ["No results: results.jsonl is missing or empty.", ""]
     md += calibration_section(rows)  # points run with both injectors (experiments/calibrate.yaml); [] otherwise
-    md += scaling_section(rows, out_dir)  # size ladder and BER-0 controls (experiments/scaling.yaml); [] otherwise
+    # size ladder and BER-0 controls (experiments/scaling.yaml); [] otherwise, and where the paper-regime section
+    # reads the controls per size, mode and steps
+    md += [] if regime else scaling_section(rows, out_dir)
     if any_eval(rows):  # the paired rule judges eval losses: without any (a locate sweep) it has nothing to say
         md += thresholds_section(agg, th, tolerance, tol_source, drawn)
     md += size_threshold_section(th, tolerance, out_dir, rows, exp.get("train"))  # several sizes; [] otherwise
