@@ -202,3 +202,15 @@ train: {{injector: process, seq_len: 32, eval_every: 2, eval_batches: 1, timeout
         assert rows[clean]["final_eval_loss"] == first[clean]["final_eval_loss"]  # the same run again
         control = rows[f"ddp-ber0-tensor-fix-order-s{seed}"]
         assert control["status"] == "ok" and control["final_deviation"] > 0
+
+
+def test_a_provisional_threshold_is_marked_and_never_named_cheapest():
+    rows = ladder("prot", [1e-5, 1e-4], [], protect="sign,exponent") + controls(0.5)
+    th = thresholds(aggregate(rows), 0.01)
+    for t in th.values():
+        t["incomplete"] = (7, 9)  # as the report marks a recipe whose grid has not run to the end
+    table = regime.regime_table(rows, th)
+    (c,) = regime.cheapest(table)
+    assert c["cheapest"] is None and c["provisional"] == ["protect"]
+    md = "\n".join(paper_regime_section(rows, th))
+    assert "≥ 1e-04 (provisional: 7 of 9 points)" in md and "protect (provisional, not counted)" in md

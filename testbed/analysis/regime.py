@@ -126,6 +126,8 @@ def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
         pub = PUBLISHED_TOLERATED_BER.get(t["mode"])
         out.append({"model": t.get("model"), "n_params": sizefit.n_params_of(t), "mode": t["mode"],
                     "recipe": t["recipe"], "label": label, "steps": t.get("steps"), "seeds": t.get("seeds"),
+                    # (done, planned) when the grid of this recipe and mode is not complete (the report sets it)
+                    "incomplete": t.get("incomplete"),
                     "max_ok": ok, "min_fail": fail, "non_monotonic": t.get("non_monotonic", False),
                     "paper": pub, "reaches_paper": ok is not None and pub is not None and ok >= pub,
                     "floor": floor, "floor_ratio": ratio, "verdict": verdict,
@@ -160,9 +162,11 @@ def cheapest(table: list[dict]) -> list[dict]:
                        and e["steps"] in (LADDER_STEPS, 200)), key=lambda e: _cost(e["label"]))
         if not mine:
             continue
-        best = next((e for e in mine if e["reaches_paper"]), None)
+        # a provisional threshold (its grid not complete) may still fail at a BER not yet run: not named
+        best = next((e for e in mine if e["reaches_paper"] and not e["incomplete"]), None)
         out.append({"model": model, "mode": mode, "paper": PUBLISHED_TOLERATED_BER.get(mode), "cheapest": best,
-                    "tried": [e["label"] for e in mine]})
+                    "tried": [e["label"] for e in mine if not e["incomplete"]],
+                    "provisional": [e["label"] for e in mine if e["incomplete"]]})
     return out
 
 

@@ -14,7 +14,8 @@ from testbed.report.scaling import range_text
 
 def _interval(e: dict) -> str:
     text = range_text(e["max_ok"] or 0.0, e["min_fail"] if e["min_fail"] is not None else math.inf)
-    return text + (" (non-monotonic)" if e["non_monotonic"] else "")
+    text += " (non-monotonic)" if e["non_monotonic"] else ""
+    return text + (" (provisional: {} of {} points)".format(*e["incomplete"]) if e.get("incomplete") else "")
 
 
 def _ratio(e: dict) -> str:
@@ -75,6 +76,8 @@ def paper_regime_section(rows: list[dict], th: dict[str, dict]) -> list[str]:
                                    "optimistic)"}[check] + ".")
     for c in regime.cheapest(table):
         pub = ber_text(c["paper"])
+        if c["provisional"]:
+            c["tried"] = c["tried"] + [f"{x} (provisional, not counted)" for x in c["provisional"]]
         if c["cheapest"]:
             e = c["cheapest"]
             md.append(f"- {c['model']} {mode_name(c['mode'])}: the cheapest recipe that reaches the paper's "
