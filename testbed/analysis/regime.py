@@ -31,7 +31,7 @@ import statistics
 from scipy import stats
 
 from testbed.analysis import sizefit
-from testbed.analysis.analysis import PUBLISHED_TOLERATED_BER
+from testbed.analysis.analysis import PUBLISHED_TOLERATED_BER, tolerance_of, upper_bound
 from testbed.analysis.results import ber_of, finite, is_ok, recipe_of
 from testbed.train.model import PRESETS
 
@@ -78,8 +78,8 @@ def has_controls(rows: list[dict]) -> bool:
     return bool(_controls(rows))
 
 
-def floor_of(rows: list[dict], model, mode, steps, world_size) -> float | None:
-    values = _controls(rows).get((model, mode, steps, world_size))
+def _floor(controls: dict[tuple, list[float]], model, mode, steps, world_size) -> float | None:
+    values = controls.get((model, mode, steps, world_size))
     return max(values) if values else None
 
 
@@ -89,22 +89,20 @@ def _deviations(rows: list[dict], t: dict, ber: float) -> list[float]:
             and finite(r.get("final_deviation")) is not None]
 
 
-def prediction_of(th: dict[str, dict], kind: str, mode: str) -> dict | None:
-    """The size fit's prediction at GPT-2 124M for a recipe kind and mode, from the 2-rank ladder configs at
-    LADDER_STEPS below 124M (what the README predicted); None without two sizes."""
+def predictions(th: dict[str, dict]) -> dict[tuple[str, str], dict]:
+    """{(recipe label, mode): the size fit's prediction at GPT-2 124M}, from the 2-rank ladder configs at
+    LADDER_STEPS below 124M (what the README predicted); a family needs two sizes."""
     ladder = {k: t for k, t in th.items() if t.get("model") != TARGET and t.get("steps") == LADDER_STEPS
               and t.get("world_size") == 2}
-    for f in sizefit.size_fits(ladder):
-        fam = f["family"]
-        if fam["mode"] == mode and recipe_label(f["sizes"][0]["threshold"]) == kind:
-            return f["prediction_ber"]
-    return None
+    return {(recipe_label(f["sizes"][0]["threshold"]), f["family"]["mode"]): f["prediction_ber"]
+            for f in sizefit.size_fits(ladder)}
 
 
 def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
     """One entry per threshold config at two ranks (size x mode x recipe x steps): its interval, the paper's BER,
     the floor and floor ratio at the last passing BER, the verdict, and at 124M the size fit's prediction."""
-    out = []
+    out, controls = [], _controls(rows)
+    predicted = predictions(th) if any(t.get("model") == TARGET for t in th.values()) else {}
     for t in th.values():
         if not t.get("applies") or not t.get("tested_bers") or t.get("tolerance_abs") is None:
             continue
@@ -112,7 +110,7 @@ def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
             continue
         label = recipe_label(t)
         ok, fail = t["max_ok_ber"], t["min_fail_ber"]
-        floor = floor_of(rows, t.get("model"), t["mode"], t.get("steps"), t.get("world_size"))
+        floor = _floor(controls, t.get("model"), t["mode"], t.get("steps"), t.get("world_size"))
         devs = _deviations(rows, t, ok) if ok else []
         ratio = (min(devs) / floor) if devs and floor else None
         if ok is None:
@@ -131,7 +129,7 @@ def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
                     "max_ok": ok, "min_fail": fail, "non_monotonic": t.get("non_monotonic", False),
                     "paper": pub, "reaches_paper": ok is not None and pub is not None and ok >= pub,
                     "floor": floor, "floor_ratio": ratio, "verdict": verdict,
-                    "prediction": prediction_of(th, label, t["mode"]) if t.get("model") == TARGET else None})
+                    "prediction": predicted.get((label, t["mode"])) if t.get("model") == TARGET else None})
     return sorted(out, key=lambda e: (sizefit.n_params_of({"model": e["model"]}) or 0, e["mode"] != "ddp",
                                       e["steps"] or 0, _cost(e["label"]), e["recipe"]))
 
@@ -211,7 +209,7 @@ def long_runs(rows: list[dict], steps: int = 10 * LADDER_STEPS) -> list[dict]:
     """Per (model, mode, recipe) run for `steps` with a BER > 0: the paired gap over training (mean and one-sided
     95 % t bound per evaluation, by steps done, with the tolerance there), its change from the evaluation after
     LADDER_STEPS steps (or the first after) to the last (two-sided 95 % t interval over seeds) and the verdict, and the floor ratio at the end."""
-    out = []
+    out, controls, tolerance = [], _controls(rows), tolerance_of(rows)[0]
     long = [r for r in rows if r.get("steps") == steps and is_ok(r) and (r.get("perturb") or "none") == "none"]
     keys = dict.fromkeys((r.get("model"), r.get("mode"), recipe_of(r)) for r in long if ber_of(r) > 0)
     for model, mode, recipe in keys:
@@ -226,10 +224,8 @@ def long_runs(rows: list[dict], steps: int = 10 * LADDER_STEPS) -> list[dict]:
             curve = []
             for st in eval_steps:
                 gaps = [runs[s][st] - clean[s][st] for s in runs]
-                mean = statistics.fmean(gaps)
-                sd = statistics.stdev(gaps)
-                upper = mean + float(stats.t.ppf(0.95, len(gaps) - 1)) * sd / math.sqrt(len(gaps))
-                tol = 0.01 * statistics.fmean(clean[s][st] for s in runs)
+                mean, upper = statistics.fmean(gaps), upper_bound(gaps)
+                tol = tolerance * statistics.fmean(clean[s][st] for s in runs)
                 curve.append({"step": st, "mean": mean, "upper": upper, "tolerance": tol, "passes": upper <= tol})
             first = next((st for st in eval_steps if st >= LADDER_STEPS), None)
             change = None
@@ -242,7 +238,7 @@ def long_runs(rows: list[dict], steps: int = 10 * LADDER_STEPS) -> list[dict]:
                           "verdict": "grows" if m - h > 0 else "closes" if m + h < 0 else "stays"}
             devs = [float(r["final_deviation"]) for r in mine if ber_of(r) == ber
                     and finite(r.get("final_deviation")) is not None]
-            floor = floor_of(rows, model, mode, steps, next((r.get("world_size") for r in mine), None))
+            floor = _floor(controls, model, mode, steps, next((r.get("world_size") for r in mine), None))
             out.append({"model": model, "mode": mode, "recipe": recipe, "ber": ber, "seeds": sorted(runs),
                         "curve": curve, "change": change, "floor": floor,
                         "floor_ratio": (min(devs) / floor) if devs and floor else None})

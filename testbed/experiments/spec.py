@@ -66,7 +66,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-RECIPE_NAME = r"^[a-z0-9][a-z0-9_-]{0,15}$"
+RECIPE_NAME = EXPERIMENT_NAME = r"^[a-z0-9][a-z0-9_-]{0,15}$"
 
 
 class GridSpec(_Strict):
@@ -187,7 +187,7 @@ class ResourcesSpec(_Strict):
 
 
 class ExperimentFile(_Strict):
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,15}$")
+    name: str = Field(pattern=EXPERIMENT_NAME)
     description: str | None = None
     model: ModelName = settings.default_of("model")
     steps: int = Field(ge=1)
@@ -203,7 +203,7 @@ class ExperimentFile(_Strict):
     tolerance: Tolerance = Field(default=DEFAULT_TOLERANCE, description="the paired rule's tolerance on the "
                                  "eval-loss gap, relative to the clean eval loss ('1%' or 0.01); set before the run")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    reuse: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,15}$")]] = Field(
+    reuse: list[Annotated[str, Field(pattern=EXPERIMENT_NAME)]] = Field(
         default_factory=list, description="names of other experiments whose rows count as this file's where a "
                                           "recipe has the same name and settings (the fingerprint it would have "
                                           "under that name): copy their results.jsonl into --out, and those points "
@@ -331,11 +331,11 @@ class Experiment:
             if r.baseline is not None and (r.baseline not in defined or r.baseline == name):
                 problems.append((f"recipes.{name}.baseline", f"must name another recipe of the file "
                                                              f"({', '.join(n for n in defined if n != name)})"))
-            elif r.baseline is not None and not self.is_control(name) and self._differs_beyond_link(name):
+            elif r.baseline is not None and not self.is_control(name) and (diff := self._differs_beyond_link(name)):
                 problems.append((f"recipes.{name}.baseline", "a recipe shares another's clean runs only when it "
-                                                             "differs from it in link: alone (here also "
-                                                             f"{self._differs_beyond_link(name)}); a control "
-                                                             "(train: perturb) may differ in its perturbation"))
+                                                             f"differs from it in link: alone (here also {diff}); a "
+                                                             "control (train: perturb) may differ in its "
+                                                             "perturbation"))
             elif r.baseline is not None and not self.is_control(name) and self.recipe(r.baseline).baseline:
                 problems.append((f"recipes.{name}.baseline", f"{r.baseline} takes its clean runs from another "
                                                              "recipe itself: name that one"))
@@ -492,14 +492,16 @@ class Experiment:
     def _differs_beyond_link(self, name: str) -> str:
         """What besides `link:` differs between a recipe and its baseline ('' when nothing): the clean runs of
         the two are then not the same training."""
-        r, b = self.recipe(name), self.recipe(self.recipe(name).baseline)
-        merged = lambda x: {**self.spec.train.model_dump(), **x.train.model_dump(exclude_unset=True)}  # noqa: E731
-        diff = [k for k, v in merged(r).items() if merged(b).get(k) != v]
-        diff += [k for k in ("model", "steps") if getattr(r, k) != getattr(b, k)]
-        diff += ["topology"] * any(self.topology_file(m, name) != self.topology_file(m, r.baseline)
+        base = self.recipe(name).baseline
+        mine, theirs = ({**self.spec.train.model_dump(), **self.recipe(x).train.model_dump(exclude_unset=True)}
+                        for x in (name, base))
+        diff = [k for k, v in mine.items() if theirs.get(k) != v]
+        diff += ["model"] * (self.model_of(name) != self.model_of(base))
+        diff += ["steps"] * (self.steps_of(name) != self.steps_of(base))
+        diff += ["topology"] * any(self.topology_file(m, name) != self.topology_file(m, base)
                                    for m in self.modes_of(name))
-        diff += ["mode"] * bool(set(self.modes_of(name)) - set(self.modes_of(r.baseline)))
-        diff += ["seed"] * bool(set(self.seeds_of(name)) - set(self.seeds_of(r.baseline)))
+        diff += ["mode"] * bool(set(self.modes_of(name)) - set(self.modes_of(base)))
+        diff += ["seed"] * bool(set(self.seeds_of(name)) - set(self.seeds_of(base)))
         return ", ".join(diff)
 
     def shares_clean_runs(self, recipe: str) -> bool:
@@ -643,8 +645,6 @@ class Experiment:
         elif r.topology:  # one per mode
             d["topologies"]["recipe"] = {m: hashlib.sha256(self.resolve(f).read_bytes()).hexdigest()
                                          for m, f in sorted(r.topology.items())}
-        if r.mode is not None:
-            d["modes"] = sorted(r.mode)
         if self.spec.fault is not None:
             d["fault"] = self.spec.fault.model_dump()
         d["runtime"] = runtime or self.spec.runtime or "netns"

@@ -76,16 +76,15 @@ def paper_regime_section(rows: list[dict], th: dict[str, dict]) -> list[str]:
                                    "optimistic)"}[check] + ".")
     for c in regime.cheapest(table):
         pub = ber_text(c["paper"])
-        if c["provisional"]:
-            c["tried"] = c["tried"] + [f"{x} (provisional, not counted)" for x in c["provisional"]]
+        tried = c["tried"] + [f"{x} (provisional, not counted)" for x in c["provisional"]]
         if c["cheapest"]:
             e = c["cheapest"]
             md.append(f"- {c['model']} {mode_name(c['mode'])}: the cheapest recipe that reaches the paper's "
                       f"{pub} is **{e['label']}** (last passing {ber_text(e['max_ok'])}; {e['verdict']}, floor "
-                      f"ratio {_ratio(e)}); tried, cheapest first: {', '.join(c['tried'])}.")
+                      f"ratio {_ratio(e)}); tried, cheapest first: {', '.join(tried)}.")
         else:
             md.append(f"- {c['model']} {mode_name(c['mode'])}: no recipe tried reaches the paper's {pub} "
-                      f"({', '.join(c['tried'])}).")
+                      f"({', '.join(tried)}).")
     md.append("")
     fits = regime.rank_fits(th)
     if fits:
