@@ -107,6 +107,19 @@ def test_long_run_gap_change_and_verdict():
     assert regime.long_runs(rows)[0]["change"]["verdict"] == "stays"
 
 
+def test_wall_times_sum_and_median_per_size_mode_steps_and_ranks():
+    rows = ladder("a", [1e-6], [1e-5]) + ladder("b", [1e-6], [], world=4) + controls(0.5, model="small")
+    for i, r in enumerate(rows):
+        r["wall_time_s"] = 10.0 * (i + 1)
+    rows[0]["wall_time_s"] = None  # a row without a wall time is not counted
+    times = regime.wall_times(rows)
+    assert [(e["model"], e["ranks"], e["points"]) for e in times] == [("tiny", 2, 8), ("tiny", 4, 6), ("small", 2, 3)]
+    assert times[0]["total_s"] == pytest.approx(sum(10.0 * i for i in range(2, 10)))
+    assert times[0]["median_s"] == pytest.approx(55.0) and times[1]["median_s"] == pytest.approx(125.0)
+    md = "\n".join(paper_regime_section(rows, thresholds(aggregate(rows), 0.01)))
+    assert "### Wall time of the runs" in md and "| tiny | DDP | 300 | 4 | 6 | 12.5 min | 2.1 min |" in md
+
+
 def test_ranks_modes_and_a_residual_run_end_to_end_with_the_process_injector(tmp_path):
     """`testbed run` on a small paper-regime file (real gloo on loopback, the process injector): a recipe with a
     topology per mode trains DDP on 4 ranks (ring4) and PP on 4 stages (chain4); a DDP-only recipe runs no PP

@@ -123,4 +123,17 @@ def paper_regime_section(rows: list[dict], th: dict[str, dict]) -> list[str]:
         md += md_table(["size", "mode", "BER", "seeds", "gap after 300 steps", "gap at the end", "change",
                         "floor ratio"],
                        rows_md) + [""]
+    times = regime.wall_times(rows)
+    if times:
+        md += ["### Wall time of the runs", "",
+               "Per size, mode, steps and ranks: the points whose rows are here (reused rows as they ran), the sum "
+               "of their wall times and the median per point, on the machine that ran them (each row's `machine`).",
+               ""]
+        md += md_table(["size", "mode", "steps", "ranks", "points", "wall time", "median per point"],
+                       [[e["model"], mode_name(e["mode"]), str(e["steps"]), str(e["ranks"]), str(e["points"]),
+                         _duration(e["total_s"]), _duration(e["median_s"])] for e in times]) + [""]
     return md
+
+
+def _duration(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
