@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from testbed.analysis import regime
+from testbed.analysis import regime, scaling
 from testbed.analysis.analysis import aggregate, thresholds
 from testbed.report.paperregime import paper_regime_section
 
@@ -112,10 +112,12 @@ def test_wall_times_sum_and_median_per_size_mode_steps_and_ranks():
     for i, r in enumerate(rows):
         r["wall_time_s"] = 10.0 * (i + 1)
     rows[0]["wall_time_s"] = None  # a row without a wall time is not counted
-    times = regime.wall_times(rows)
-    assert [(e["model"], e["ranks"], e["points"]) for e in times] == [("tiny", 2, 8), ("tiny", 4, 6), ("small", 2, 3)]
-    assert times[0]["total_s"] == pytest.approx(sum(10.0 * i for i in range(2, 10)))
-    assert times[0]["median_s"] == pytest.approx(55.0) and times[1]["median_s"] == pytest.approx(125.0)
+    times = scaling.time_per_size(rows, by=("model", "mode", "steps", "world_size"))
+    assert [(e["model"], e["world_size"], e["timed"]) for e in times] == [("tiny", 2, 8), ("tiny", 4, 6),
+                                                                         ("small", 2, 3)]
+    assert times[0]["wall_time_s"] == pytest.approx(sum(10.0 * i for i in range(2, 10)))
+    assert times[0]["median_wall_time_s"] == pytest.approx(55.0)
+    assert times[1]["median_wall_time_s"] == pytest.approx(125.0)
     md = "\n".join(paper_regime_section(rows, thresholds(aggregate(rows), 0.01)))
     assert "### Wall time of the runs" in md and "| tiny | DDP | 300 | 4 | 6 | 12.5 min | 2.1 min |" in md
 

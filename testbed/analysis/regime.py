@@ -243,18 +243,3 @@ def long_runs(rows: list[dict], steps: int = 10 * LADDER_STEPS) -> list[dict]:
                         "curve": curve, "change": change, "floor": floor,
                         "floor_ratio": (min(devs) / floor) if devs and floor else None})
     return out
-
-
-
-def wall_times(rows: list[dict]) -> list[dict]:
-    """Per (model, mode, steps, ranks): points with a wall time, their sum and median (seconds), so a run in parts
-    shows what each part cost and what the rest will (rows reused from another experiment count as they ran)."""
-    groups: dict[tuple, list[float]] = {}
-    for r in rows:
-        w = finite(r.get("wall_time_s"))
-        if w is not None:
-            groups.setdefault((r.get("model"), r.get("mode"), r.get("steps"), r.get("world_size")), []).append(w)
-    out = [{"model": m, "mode": mode, "steps": st, "ranks": n, "points": len(w), "total_s": sum(w),
-            "median_s": statistics.median(w)} for (m, mode, st, n), w in groups.items()]
-    return sorted(out, key=lambda e: (sizefit.n_params_of({"model": e["model"]}) or 0, e["mode"] != "ddp",
-                                      e["steps"] or 0, e["ranks"] or 0))

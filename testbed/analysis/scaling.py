@@ -241,18 +241,21 @@ def first_distinguishable(entry: dict, kind: str) -> dict | None:
     return next((e for e in entry["ber_runs"] if e["kind"] == kind and e["distinguishable"]), None)
 
 
-def time_per_size(rows: list[dict]) -> list[dict]:
-    """Per model and mode: the median of the runs' median step times, the summed wall time, the injector(s)."""
+def time_per_size(rows: list[dict], by: tuple[str, ...] = ("model", "mode")) -> list[dict]:
+    """Per model and mode (and any further row fields in `by`, e.g. steps and world_size): the median of the runs'
+    median step times, the summed wall time and the median per point (over the `timed` points), the injector(s)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r.get("model"), r.get("mode")), []).append(r)
+        groups.setdefault(tuple(r.get(k) for k in by), []).append(r)
     out = []
-    for (model, mode), group in sorted(groups.items(), key=lambda kv: (model_key(kv[0][0]), mode_key(kv[0][1]))):
+    for key, group in sorted(groups.items(), key=lambda kv: (model_key(kv[0][0]), mode_key(kv[0][1]),
+                                                             *(v or 0 for v in kv[0][2:]))):
         times = [t for r in group if (t := finite(r.get("median_step_time_s"))) is not None]
         walls = [w for r in group if (w := finite(r.get("wall_time_s"))) is not None]
-        out.append({"model": model, "mode": mode, "points": len(group),
+        out.append({**dict(zip(by, key)), "points": len(group), "timed": len(walls),
                     "median_step_time_s": statistics.median(times) if times else None,
                     "wall_time_s": sum(walls) if walls else None,
+                    "median_wall_time_s": statistics.median(walls) if walls else None,
                     "injectors": sorted({str(r.get("injector")) for r in group})})
     return out
 

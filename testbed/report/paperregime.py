@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from testbed.analysis import regime
+from testbed.analysis import regime, scaling
 from testbed.analysis.formatting import ber_text, fmt, fmt_signed, md_table, mode_name
 from testbed.analysis.results import finite
 from testbed.report.scaling import range_text
@@ -123,15 +123,15 @@ def paper_regime_section(rows: list[dict], th: dict[str, dict]) -> list[str]:
         md += md_table(["size", "mode", "BER", "seeds", "gap after 300 steps", "gap at the end", "change",
                         "floor ratio"],
                        rows_md) + [""]
-    times = regime.wall_times(rows)
+    times = [e for e in scaling.time_per_size(rows, by=("model", "mode", "steps", "world_size")) if e["timed"]]
     if times:
         md += ["### Wall time of the runs", "",
                "Per size, mode, steps and ranks: the points whose rows are here (reused rows as they ran), the sum "
                "of their wall times and the median per point, on the machine that ran them (each row's `machine`).",
                ""]
         md += md_table(["size", "mode", "steps", "ranks", "points", "wall time", "median per point"],
-                       [[e["model"], mode_name(e["mode"]), str(e["steps"]), str(e["ranks"]), str(e["points"]),
-                         _duration(e["total_s"]), _duration(e["median_s"])] for e in times]) + [""]
+                       [[e["model"], mode_name(e["mode"]), str(e["steps"]), str(e["world_size"]), str(e["timed"]),
+                         _duration(e["wall_time_s"]), _duration(e["median_wall_time_s"])] for e in times]) + [""]
     return md
 
 
