@@ -76,6 +76,22 @@ def assert_two_epochs(final: dict, n1: int, n2: int, received: dict) -> None:
     assert received["bit_errors"] == final["bits_flipped"] == e1["bits_flipped"] + e2["bits_flipped"]
 
 
+def assert_flips_delivered(flipped: int, bit_errors: int, sender: dict, ber: float) -> None:
+    """The receiver counted every bit the engine flipped (`bit_errors` of the probe's receiver, `flipped` of the
+    engine), unless a segment was lost after the engine: the receiver's backlog full while the loaded machine
+    deschedules it (TCPBacklogDrop). Its retransmission passes clean (bytes seen before are not drawn again,
+    docs/engine.md), so the flips of the lost copy are counted and never delivered. Every lost byte is
+    retransmitted, so the flips missing are at most those drawn on the retransmitted bytes: none when the
+    sender (`sender`: the probe sender's result) retransmitted nothing, else within the 99.9 % binomial bound
+    on `retrans_segs` x `mss` bytes at `ber`. Never more received than flipped."""
+    missing = flipped - bit_errors
+    bits = sender["retrans_segs"] * sender["mss"] * 8
+    hi = binomial_interval(bits, ber)[1] if bits else 0
+    assert 0 <= missing <= hi, (f"engine flipped {flipped} bits, the receiver found {bit_errors}; the sender "
+                                f"retransmitted {sender['retrans_segs']} segments of <= {sender['mss']} bytes, "
+                                f"which carry at most {hi} flips at ber {ber}")
+
+
 def assert_ber(flips: int, bits: int, ber: float) -> None:
     lo, hi = binomial_interval(bits, ber)
     assert lo <= flips <= hi, f"{flips} flips in {bits} bits: outside the 99.9% interval [{lo}, {hi}] of BER {ber}"

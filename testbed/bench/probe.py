@@ -87,9 +87,10 @@ def send(host: str, port: int, nbytes: int, seed: int, sport: int = 0, pause_at:
     while s.recv(65536):  # the receiver closes once it has everything: all data is acknowledged
         pass
     seconds = time.monotonic() - t0
+    mss = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)  # payload bytes a segment carries at most
     s.close()
     after = tcp_snmp()
-    return {"sent": sent, "seconds": seconds, "gbit_s": sent * 8 / seconds / 1e9,
+    return {"sent": sent, "seconds": seconds, "gbit_s": sent * 8 / seconds / 1e9, "mss": mss,
             "retrans_segs": after["RetransSegs"] - before["RetransSegs"],
             "out_segs": after["OutSegs"] - before["OutSegs"]}
 
