@@ -65,15 +65,17 @@ def paused_transfer(link, handle, n1: int, n2: int):
     return rx, tx
 
 
-def assert_two_epochs(final: dict, n1: int, n2: int, received: dict) -> None:
+def assert_two_epochs(final: dict, n1: int, n2: int, received: dict, sent: dict) -> None:
     """A run whose BER went from 1e-5 (n1 bytes) to 1e-3 (n2 bytes) live: each epoch counted exactly its bytes and
-    flipped within its interval, and the receiver counted every flip."""
+    flipped within its interval, and the receiver counted every flip (assert_flips_delivered: but those of a
+    segment lost after the engine, bounded at the higher BER)."""
     e1, e2 = final["epochs"]
     assert (e1["ber"], e2["ber"]) == (1e-5, 1e-3)
     assert e1["bits_seen"] == n1 * 8 and e2["bits_seen"] == n2 * 8
     assert_ber(e1["bits_flipped"], e1["bits_seen"], 1e-5)
     assert_ber(e2["bits_flipped"], e2["bits_seen"], 1e-3)
-    assert received["bit_errors"] == final["bits_flipped"] == e1["bits_flipped"] + e2["bits_flipped"]
+    assert final["bits_flipped"] == e1["bits_flipped"] + e2["bits_flipped"]
+    assert_flips_delivered(final["bits_flipped"], received["bit_errors"], sent, 1e-3)
 
 
 def assert_flips_delivered(flipped: int, bit_errors: int, sender: dict, ber: float) -> None:

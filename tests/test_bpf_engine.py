@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import leftovers, tb_cli, unique_name
-from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_flips_delivered, assert_two_epochs, paused_transfer, read_json_line,
-                             stop_elsewhere, transfer, checked_veth_link)
+from engine_fixtures import (ALPHA, MB, PYTHON, assert_ber, assert_flips_delivered, assert_two_epochs, paused_transfer,
+                             read_json_line, stop_elsewhere, transfer, checked_veth_link)
 from scipy import stats
 
 from testbed.engine.bpf import maps, pins
@@ -481,13 +481,13 @@ def test_live_set_of_ber_and_a_later_process_stops_the_engine(link):
     tx.stdin.write("go\n")
     tx.stdin.flush()
     rres = read_json_line(rx, "result")["result"]
-    read_json_line(tx, "result")
+    sent = read_json_line(tx, "result")["result"]
 
     final = stop_elsewhere(h)
     assert final["alive"] is False and not handle_alive(h) and engine_stats(h)["alive"] is False
     assert not Path(h.bpf["pin_dir"]).exists()
     assert "clsact" not in link.run("a", ["tc", "qdisc", "show", "dev", link.iface]).stdout
-    assert_two_epochs(final, n1, n2, rres)
+    assert_two_epochs(final, n1, n2, rres, sent)
 
 
 @pytest.mark.timeout(60)

@@ -128,14 +128,14 @@ def test_set_changes_ber_mid_transfer_and_a_later_process_stops_the_engine(link)
     tx.stdin.write("go\n")
     tx.stdin.flush()
     rres = read_json_line(rx, "result")["result"]
-    read_json_line(tx, "result")
+    sent = read_json_line(tx, "result")["result"]
 
     # the handle is plain data: another process stops the engine from its JSON
     final = stop_elsewhere(h)
     assert final["alive"] is False and not engine_alive(h.pid, h.start_time)
     assert engine_stats(h)["alive"] is False
     assert link.run("a", ["iptables", "-t", "mangle", "-S", "POSTROUTING"]).stdout.count("NFQUEUE") == 0
-    assert_two_epochs(final, n1, n2, rres)
+    assert_two_epochs(final, n1, n2, rres, sent)
 
 
 # -- fail closed -------------------------------------------------------------------------------------------------
