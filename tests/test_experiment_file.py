@@ -349,3 +349,27 @@ def test_reuse_counts_another_experiments_rows_of_the_same_recipe(tmp_path):
     aside = [__import__("json").loads(line) for f in out.glob("results-*.jsonl") for line in open(f)]
     assert sorted(r["recipe"] for r in aside) == ["sanitize"] * 4
     assert len(ResultsStore(out, set(fps.values()), {first.fingerprint(None, "protect"): fps["protect"]}).rows) == 4
+
+
+def test_a_resumed_warm_run_carries_on_with_the_group_it_stopped_in(tmp_path):
+    """Warm order (runner.warm_order): a group's points together, groups in the order of their first point that is
+    not a clean run. The grid lists every mode's clean runs first, so ordering groups by their first point to run
+    started PP's group (its clean seeds missing) when a run stopped in the middle of DDP's BER points."""
+    from testbed.experiments.runner import warm_order
+
+    exp = Experiment.load(write(tmp_path, GOOD.replace("mode: [ddp]", "mode: [ddp, pp]").replace(
+        "ber: [0, 1e-5]", "ber: [0, 1e-5, 1e-4]\n  seed: [1, 2]").replace("topologies:\n  ddp: ",
+        f"topologies:\n  pp: {PAIR}\n  ddp: ")))
+    points = exp.points()
+    clean = [p for p in points if p.baseline == p]
+    assert points[:len(clean)] == clean and {p.mode for p in clean} == {"ddp", "pp"}  # what made it matter
+    done = {p.id for p in clean if p.mode == "ddp"} | {"ddp-ber1e-5-tensor-fix-s1"}
+    order = warm_order(exp, [p for p in points if p.id not in done])
+    assert [p.id for p in order] == [
+        "ddp-ber1e-5-tensor-fix-s2", "ddp-ber1e-4-tensor-fix-s1", "ddp-ber1e-4-tensor-fix-s2",
+        "pp-ber0-tensor-fix-s1", "pp-ber0-tensor-fix-s2", "pp-ber1e-5-tensor-fix-s1", "pp-ber1e-5-tensor-fix-s2",
+        "pp-ber1e-4-tensor-fix-s1", "pp-ber1e-4-tensor-fix-s2"], [p.id for p in order]
+    # a fresh run: each group's clean runs before its points, DDP's group first as in the grid
+    fresh = [p.id for p in warm_order(exp, points)]
+    assert fresh[:2] == ["ddp-ber0-tensor-fix-s1", "ddp-ber0-tensor-fix-s2"]
+    assert fresh.index("pp-ber0-tensor-fix-s1") == 6

@@ -584,9 +584,8 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
             say(f"{len(rerun)} clean runs have a row but no run directory in {out} (rows reused from another "
                 "experiment) and run again: the points compared with them need their parameters")
         warm = None if cold or machines is not None else WarmSweep(out)
-        if warm is not None:  # a group's points together (a point's baseline is in its group, and stays before it)
-            groups = list(dict.fromkeys(warm_group(exp, p) for p in todo))
-            todo.sort(key=lambda p: groups.index(warm_group(exp, p)))
+        if warm is not None:
+            todo = warm_order(exp, todo)
         try:
             for point in todo:
                 bar.set_postfix_str(point.id)
@@ -613,6 +612,16 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     finally:
         store.close()
     return list(store.rows.values())
+
+
+def warm_order(exp: Experiment, todo: list[Point]) -> list[Point]:
+    """`todo` (in grid order) with each warm group's points together, in grid order within a group (a point's
+    baseline is in its group and stays before it). Groups go in the order of their first point to run that is
+    not a clean run: the grid lists every mode's clean runs first, so a resumed run carries on with the group it
+    stopped in rather than starting another whose clean runs are still missing."""
+    group = {p: warm_group(exp, p) for p in todo}
+    groups = list(dict.fromkeys([group[p] for p in todo if p.baseline != p] + list(group.values())))
+    return sorted(todo, key=lambda p: groups.index(group[p]))
 
 
 def warm_group(exp: Experiment, point: Point) -> tuple:
