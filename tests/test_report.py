@@ -708,3 +708,15 @@ def test_loss_plot_of_a_large_grid_stacks_its_panels_and_keeps_the_legend_off_th
     assert len({(r["recipe"], r["ber"]) for r in large}) > plots.LEGEND_INSIDE_MAX >= len(BERS)
     assert shapes["small"][1] > shapes["small"][0]  # two panels side by side: wider than tall
     assert shapes["large"][0] > 1.5 * shapes["small"][0]  # two panels one above the other
+
+
+def test_a_recipe_with_a_topology_per_mode_names_each_and_one_not_run_says_so(tmp_path):
+    """paper-regime's r4 recipes train DDP on ring4 and PP on chain4 ({ddp: ..., pp: ...}); its 124m-wire recipe had
+    no rows yet. The line read `chain4.yaml'} (4 hosts)` and `pair-bpf.yaml (? hosts)`."""
+    rows = [make_row(m, b, s, recipe="r4", world_size=4) for m in ("ddp", "pp") for b in (0.0, 1e-5) for s in SEEDS]
+    exp = {"name": "ranks", "topologies": {"ddp": "pair.yaml", "pp": "pair.yaml"}, "grid": {"recipe": ["r4", "wire"]},
+           "recipes": {"r4": {"topology": {"ddp": "/x/ring4.yaml", "pp": "/x/chain4.yaml"}},
+                       "wire": {"topology": "/x/pair-bpf.yaml"}}}
+    md = report.write_report(tmp_path, rows=rows, latency={"results": []}, experiment=exp).read_text()
+    assert ("Topologies: recipe r4: DDP ring4.yaml (4 hosts), PP chain4.yaml (4 hosts), "
+            "recipe wire: pair-bpf.yaml (not run yet)\n") in md, [l for l in md.splitlines() if "Topologies" in l]

@@ -789,14 +789,18 @@ def _topologies_text(rows: list[dict], exp: dict) -> str:
 
     def hosts(pairs) -> str:
         n = sorted(set().union(*(worlds.get(p, set()) for p in pairs)))
-        return "/".join(map(str, n)) or "?"
+        return f"{'/'.join(map(str, n))} hosts" if n else "not run yet"
 
     def name(t) -> str:  # the file's name: the run directory's copy of the experiment has absolute paths
         return Path(str(t)).name
 
-    parts = [f"{mode_name(m)}: {name(t)} ({hosts([(m, n) for n in plain])} hosts)" for m, t in topologies.items()
-             if plain]
-    parts += [f"recipe {n}: {name(t)} ({hosts([(m, n) for m in topologies])} hosts)" for n, t in own.items()]
+    def recipe_text(n, t) -> str:  # a recipe's topology: one file, or one per mode ({ddp: ..., pp: ...})
+        if isinstance(t, dict):
+            return f"recipe {n}: " + ", ".join(f"{mode_name(m)} {name(f)} ({hosts([(m, n)])})" for m, f in t.items())
+        return f"recipe {n}: {name(t)} ({hosts([(m, n) for m in topologies])})"
+
+    parts = [f"{mode_name(m)}: {name(t)} ({hosts([(m, n) for n in plain])})" for m, t in topologies.items() if plain]
+    parts += [recipe_text(n, t) for n, t in own.items()]
     return ", ".join(parts) or "—"
 
 
