@@ -229,3 +229,24 @@ def test_a_provisional_threshold_is_marked_and_never_named_cheapest():
     assert c["cheapest"] is None and c["provisional"] == ["protect"]
     md = "\n".join(paper_regime_section(rows, th))
     assert "≥ 1e-04 (provisional: 7 of 9 points)" in md and "protect (provisional, not counted)" in md
+
+
+def test_a_pending_ber_is_neither_a_pass_nor_a_failure_in_the_table():
+    """124M PP of docs/results/paper-regime stopped after one seed of its smallest BER: the table said "fails at
+    every tested BER" and the fit check "inside the prediction's interval". With that BER pending (report's
+    pending_points) the row says pending and claims no interval; a decided BER beside it still counts."""
+    rows = ladder("a", [], []) + controls(0.5)
+    rows += [row("a", "ddp", 1e-6, 1, 4.001, dev=1.0)]
+    pend = {("a", "ddp", "tensor", "fix", 1e-6): (1, 3)}
+    th = thresholds(aggregate(rows), 0.01, pending=pend)
+    (e,) = regime.regime_table(rows, th)
+    assert (e["max_ok"], e["min_fail"], e["verdict"]) == (None, None, "pending (no BER decided yet)")
+    e["prediction"] = {"ber": 1e-6, "t": (1e-8, 1e-4)}
+    assert regime.fit_check(e) is None
+    md = "\n".join(paper_regime_section(rows, th))
+    assert "pending: 1e-06 (1 of 3 seeds run)" in md and "fails" not in md and "inside" not in md
+    # without the grid the lone seed fails (no bound): what the report showed
+    assert table_of(rows)[1][0]["verdict"] == "fails at every tested BER"
+    rows = ladder("a", [1e-7], []) + controls(0.5) + [row("a", "ddp", 1e-6, 1, 4.001, dev=1.0)]
+    (e,) = regime.regime_table(rows, thresholds(aggregate(rows), 0.01, pending=pend))
+    assert (e["max_ok"], e["min_fail"], e["pending"]) == (1e-7, None, {1e-6: {"run": 1, "of": 3, "of_clean": False}})

@@ -684,11 +684,64 @@ def test_a_report_of_part_of_the_grid_marks_its_thresholds_provisional(tmp_path)
     part = [r for r in rows if not (r["ber"] == last and r["seed"] > 2)]  # stopped inside the last BER
     assert report.coverage(part, planned) == {("default", "ddp"): (len(part), len(rows))}
     assert report.coverage(part, None) == {}  # grid unknown: nothing claimed missing
+    # results read where the copy's absolute topology paths are not (another clone, another machine): the grid
+    # still comes from the file (docs/results/paper-regime's copy names /work/main/topologies/...)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "experiment.yaml").write_text((tmp_path / "experiment.yaml").read_text().replace(
+        f"{ROOT}/topologies/pair.yaml", "/nonexistent/topologies/pair.yaml"))
+    assert planned_points(moved) == planned and planned_points(tmp_path / "nothing-here") is None
     md = report.write_report(tmp_path, rows=part, latency={"results": []}, planned=planned).read_text()
     assert md.split("\n")[2].startswith(f"**Incomplete:** {len(part)} of the grid's {len(rows)} points")
     assert f"(provisional: {len(part)} of {len(rows)} points)" in md.split("## Findings")[0]
+    # the last BER has 2 of its 5 seeds: it neither passes nor fails yet (it failed outright before the fix)
+    assert f"not decided yet: {last:.0e} (2 of 5 seeds run)" in md
     full = report.write_report(tmp_path, rows=rows, latency={"results": []}, planned=planned).read_text()
-    assert "Incomplete" not in full and "provisional" not in full
+    assert "Incomplete" not in full and "provisional" not in full and "not decided" not in full
+
+
+def test_a_ber_whose_seeds_are_not_all_in_neither_passes_nor_fails(tmp_path):
+    """A stopped grid (docs/results/paper-regime, 124M PP: the clean runs and one seed of the smallest BER) was
+    reported as failing at every tested BER, because one seed has no paired bound. A BER still missing seeds, or
+    whose seeds' clean runs are still to come, is pending: not a pass, not a failure, and no interval is claimed;
+    one of its runs that failed outright fails it at once."""
+    from conftest import ROOT
+    from testbed.analysis.analysis import aggregate, thresholds
+    from testbed.experiments.spec import Experiment, planned_points
+
+    bers = ", ".join(f"{b:g}" for b in RULE_GAPS)
+    (tmp_path / "experiment.yaml").write_text(
+        f"name: quick\nmodel: tiny\nsteps: 30\ntopologies: {{ddp: {ROOT}/topologies/pair.yaml}}\n"
+        f"grid: {{mode: [ddp], ber: [0, {bers}], seed: [{', '.join(map(str, RULE_SEEDS))}]}}\n")
+    ids = {(p.mode, p.ber, p.seed): p.id for p in Experiment.load(tmp_path / "experiment.yaml").points()}
+    rows = [{**r, "point": ids[(r["mode"], r["ber"], r["seed"])]} for r in rule_rows()]
+    planned = planned_points(tmp_path)
+    first = min(RULE_GAPS)
+
+    def judged(part):
+        return thresholds(aggregate(part), 0.01, pending=report.pending_points(part, planned))["ddp/tensor/fix"]
+
+    # the clean runs and one seed of the smallest BER: nothing decided, nothing failing
+    part = [r for r in rows if r["ber"] == 0 or (r["ber"] == first and r["seed"] == 1)]
+    t = judged(part)
+    assert t["pending"] == {first: {"run": 1, "of": 5, "of_clean": False}}
+    assert (t["max_ok_ber"], t["min_fail_ber"], t["failing"]) == (None, None, {})
+    assert thresholds(aggregate(part), 0.01)["ddp/tensor/fix"]["min_fail_ber"] == first  # the grid unknown: as before
+    md = report.write_report(tmp_path, rows=part, latency={"results": []}, planned=planned).read_text()
+    assert f"no BER decided yet: {first:.0e} (1 of 5 seeds run)" in md
+    assert "fails already" not in md and "fails at every" not in md
+    # the same BER complete and the next one begun: the first passes, the next is pending
+    part = [r for r in rows if r["ber"] in (0, first) or (r["ber"] == 3e-7 and r["seed"] <= 3)]
+    t = judged(part)
+    assert (t["max_ok_ber"], t["min_fail_ber"], list(t["pending"])) == (first, None, [3e-7])
+    # seeds whose clean runs are still to come: pending on the clean runs
+    part = [r for r in rows if (r["ber"] == 0 and r["seed"] <= 2) or r["ber"] == first]
+    assert judged(part)["pending"] == {first: {"run": 2, "of": 5, "of_clean": True}}
+    # a run that crashed fails its BER whatever the seeds still to run show
+    part = [r for r in rows if r["ber"] == 0] + [
+        {**r, "status": "crashed"} for r in rows if r["ber"] == first and r["seed"] == 1]
+    t = judged(part)
+    assert t["pending"] == {} and t["min_fail_ber"] == first and "crashed" in t["failing"][first]
 
 
 def test_loss_plot_of_a_large_grid_stacks_its_panels_and_keeps_the_legend_off_the_curves(tmp_path):

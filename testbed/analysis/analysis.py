@@ -41,7 +41,7 @@ from testbed.train.model import PRESETS, seq_len_of
 from testbed.train.settings import default_of
 from testbed.vocab import CHECKSUM_MODES, DEFAULT_TOLERANCE
 from testbed.analysis import theory
-from testbed.analysis.formatting import fmt_loss, fmt_signed, status_text
+from testbed.analysis.formatting import ber_text, fmt_loss, fmt_signed, status_text
 from testbed.analysis.results import (RECIPE_FIELDS, SETUP_FIELDS, STATUSES, ber_of, config_key, config_of, config_sort_key, configs, finite,
                       is_ok, positive, recipe_of, recipe_settings)
 
@@ -362,13 +362,16 @@ def theory_threshold(mode: str, checksum: str | None, setup: dict) -> tuple[floa
     return None, f"no theory threshold for mode {mode!r}"
 
 
-def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, train: dict | None = None) -> dict[str, dict]:
+def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, train: dict | None = None,
+               pending: dict[tuple, tuple[int, int]] | None = None) -> dict[str, dict]:
     """Per config ('mode/scope/checksum', '/RECIPE' appended for a recipe other than the default): under the
     paired rule at `tolerance` (relative to the clean mean eval loss), the largest BER up to which training is as
     good as clean, the smallest BER at which it fails, why, the same interval at each of SENSITIVITY_TOLERANCES
     (`sensitivity`: {tolerance: (max_ok, min_fail)}), the theory's thresholds and the published one (see the
     module docstring). `train` (the experiment's train: section) supplies batch_size/seq_len for PP when rows
-    lack them."""
+    lack them. `pending`: {(recipe, mode, scope, checksum, BER): (seeds run, seeds in the grid)} for the BERs of
+    a grid still running (report.pending_points): such a BER neither passes nor fails yet (`pending` of the
+    result), unless a run of it already failed outright."""
     out: dict[str, dict] = {}
     for key in dict.fromkeys(_config_key(p) for p in agg):
         points = [p for p in agg if _config_key(p) == key]
@@ -376,12 +379,12 @@ def thresholds(agg: list[dict], tolerance: float = DEFAULT_TOLERANCE, train: dic
             (p for p in agg if p["ber"] == 0 and point_config(p) == points[0].get("clean_config")), None)
         setup = {**{k: v for k, v in (train or {}).items() if v is not None},
                  **{k: v for k, v in points[0].items() if v is not None}}
-        result = _threshold_of(points, clean, tolerance)
+        result = _threshold_of(points, clean, tolerance, pending or {})
         # the question applies unless every run ended ok without an eval loss (an experiment that does not evaluate)
         result["applies"] = any(p["eval_loss_n"] or not p["all_ok"] for p in points)
         result["sensitivity"] = {}
         for tol in sorted({*SENSITIVITY_TOLERANCES, tolerance}):
-            other = _threshold_of(points, clean, tol)
+            other = _threshold_of(points, clean, tol, pending or {})
             result["sensitivity"][tol] = (other["max_ok_ber"], other["min_fail_ber"])
         result["theory_ber"], result["theory_basis"] = theory_threshold(points[0]["mode"], points[0]["checksum"],
                                                                         setup)
@@ -482,13 +485,24 @@ def _no_lost_steps_note(point: dict, pred: theory.RecipePrediction | None, endin
     return text
 
 
-def _threshold_of(points: list[dict], clean: dict | None, tolerance: float) -> dict:
+def _pending_key(point: dict, ber: float | None = None) -> tuple:
+    return (point["recipe"], point["mode"], point["scope"], point["checksum"], float(point["ber"] if ber is None
+                                                                                    else ber))
+
+
+def _failed_outright(point: dict) -> bool:
+    """A run of the point ended other than ok, or made no progress: it fails whatever its other seeds show."""
+    return any(s != "ok" for s in point["statuses"]) or bool(point["no_progress"])
+
+
+def _threshold_of(points: list[dict], clean: dict | None, tolerance: float,
+                  pending: dict[tuple, tuple[int, int]]) -> dict:
     tested = [p for p in points if p["ber"] > 0]
     result = {"tolerance_rel": tolerance, "tested_bers": [p["ber"] for p in tested],
               "clean_eval_loss_mean": clean and clean["eval_loss_mean"],
               "clean_eval_loss_std": clean and clean["eval_loss_std"],
               "tolerance_abs": None, "passing_bers": [], "failing": {}, "max_ok_ber": None, "min_fail_ber": None,
-              "non_monotonic": False, "note": None,
+              "non_monotonic": False, "note": None, "pending": {},
               "gaps": {p["ber"]: {"mean": p["gap_mean"], "upper": p["gap_upper"], "n": len(p["gaps"])}
                        for p in tested}}
     if clean is None or not clean["all_ok"] or clean["eval_loss_mean"] is None or clean["no_progress"]:
@@ -503,9 +517,18 @@ def _threshold_of(points: list[dict], clean: dict | None, tolerance: float) -> d
         result["note"] = "no BER > 0 was run"
     tol = tolerance * clean["eval_loss_mean"]
     result["tolerance_abs"] = tol
+    clean_todo = pending.get(_pending_key(clean)) if clean is not None else None
     for p in tested:
         reason = _failure_reason(p, tol)
-        if reason is None:
+        todo = pending.get(_pending_key(p))
+        todo = ({"run": todo[0], "of": todo[1], "of_clean": False} if todo else
+                # seeds paired with a clean run still to come
+                {"run": clean_todo[0], "of": clean_todo[1], "of_clean": True}
+                if clean_todo and p["unpaired_seeds"] else None)
+        if todo is not None and not _failed_outright(p):
+            # seeds still to run move the paired bound either way: neither a pass nor a failure yet
+            result["pending"][p["ber"]] = todo
+        elif reason is None:
             result["passing_bers"].append(p["ber"])
         else:
             result["failing"][p["ber"]] = reason
@@ -514,7 +537,25 @@ def _threshold_of(points: list[dict], clean: dict | None, tolerance: float) -> d
     below = [b for b in result["passing_bers"] if not failing or b < failing[0]]
     result["max_ok_ber"] = max(below) if below else None
     result["non_monotonic"] = bool(failing) and any(b > failing[0] for b in result["passing_bers"])
+    if tested and not result["passing_bers"] and not failing:
+        result["note"] = f"no BER decided yet: {pending_text(result['pending'])}"
     return result
+
+
+def pending_text(pending: dict) -> str:
+    """'1e-08 (1 of 3 seeds run), 3e-08 (2 of 3 clean runs)': the BERs that neither pass nor fail yet, their seeds
+    (or the clean runs they pair with) not all run."""
+    return ", ".join(f"{ber_text(b)} ({pending_seeds_text(v)})" for b, v in sorted(pending.items()))
+
+
+def pending_seeds_text(v: dict) -> str:
+    """'1 of 3 seeds run' (or '2 of 3 clean runs run'): one pending BER's state."""
+    return f"{v['run']} of {v['of']} {'clean runs' if v['of_clean'] else 'seeds'} run"
+
+
+def decided(t: dict) -> bool:
+    """A threshold config with a BER that passed or failed (not only BERs whose seeds are still to run)."""
+    return t["max_ok_ber"] is not None or t["min_fail_ber"] is not None
 
 
 def tolerance_of(rows: list[dict], file_tolerance: float | None = None) -> tuple[float, str]:
@@ -541,7 +582,7 @@ def interval(t: dict) -> tuple[float, float]:
 def published_verdict(t: dict) -> str | None:
     """'more tolerant', 'more fragile' or 'consistent' against the published threshold of t's mode."""
     pub, ok, fail = t["published_ber"], t["max_ok_ber"], t["min_fail_ber"]
-    if pub is None or t["tolerance_abs"] is None or not t["tested_bers"]:
+    if pub is None or t["tolerance_abs"] is None or not t["tested_bers"] or not decided(t):
         return None
     if ok is not None and ok >= pub:
         return "more tolerant"
@@ -562,7 +603,7 @@ def orderings(th: dict[str, dict]) -> list[dict]:
         ddp, pp = modes.get("ddp"), modes.get("pp")
         if ddp is None or pp is None:
             continue
-        usable = all(t["tolerance_abs"] is not None and t["tested_bers"] for t in (ddp, pp))
+        usable = all(t["tolerance_abs"] is not None and t["tested_bers"] and decided(t) for t in (ddp, pp))
         measured = None
         if usable:
             (d_lo, d_hi), (p_lo, p_hi) = interval(ddp), interval(pp)

@@ -113,8 +113,10 @@ def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
         floor = _floor(controls, t.get("model"), t["mode"], t.get("steps"), t.get("world_size"))
         devs = _deviations(rows, t, ok) if ok else []
         ratio = (min(devs) / floor) if devs and floor else None
-        if ok is None:
-            verdict = "fails at every tested BER"
+        if ok is None and fail is None:
+            verdict = "pending (no BER decided yet)"
+        elif ok is None:
+            verdict = "fails at every tested BER" + (" decided so far" if t.get("pending") else "")
         elif ratio is None:
             verdict = "tolerated (no floor measured)" if floor is None else "tolerated (no deviation measured)"
         elif ratio <= 1:
@@ -127,6 +129,7 @@ def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
                     # (done, planned) when the grid of this recipe and mode is not complete (the report sets it)
                     "incomplete": t.get("incomplete"),
                     "max_ok": ok, "min_fail": fail, "non_monotonic": t.get("non_monotonic", False),
+                    "pending": t.get("pending") or {},
                     "paper": pub, "reaches_paper": ok is not None and pub is not None and ok >= pub,
                     "floor": floor, "floor_ratio": ratio, "verdict": verdict,
                     "prediction": predicted.get((label, t["mode"])) if t.get("model") == TARGET else None})

@@ -585,9 +585,10 @@ class Experiment:
             link["protected_ber"] = 0.0
         return link
 
-    def planned(self) -> list[tuple[str, str, str]]:
-        """The grid as (point id, recipe, mode) triples: what the report needs to say what has not run yet."""
-        return [(p.id, p.recipe, p.mode) for p in self.points()]
+    def planned(self) -> list[tuple[str, str, str, float, str, str]]:
+        """The grid as (point id, recipe, mode, BER, scope, checksum): what the report needs to say what has not
+        run yet, and which BERs still lack seeds (neither pass nor fail yet)."""
+        return [(p.id, p.recipe, p.mode, p.ber, p.scope, p.checksum) for p in self.points()]
 
     def points(self) -> list[Point]:
         """The grid, with any missing BER-0 baselines added, baselines first (deviation needs them)."""
@@ -664,11 +665,18 @@ class Experiment:
         return yaml.safe_dump(raw, sort_keys=False)
 
 
-def planned_points(out_dir: str | Path) -> list[tuple[str, str, str]] | None:
-    """The grid of the experiment kept in out_dir (experiment.yaml) as (point id, recipe, mode) triples, which
-    the report uses to say what has not run yet; None when the copy is missing or no longer loads (a moved
-    topology file), and the report then goes on without saying it."""
+def planned_points(out_dir: str | Path) -> list[tuple[str, str, str, float, str, str]] | None:
+    """The grid of the experiment kept in out_dir (experiment.yaml) as Experiment.planned() tuples, which
+    the report uses to say what has not run yet. The copy names its topologies by absolute path: where they are
+    not (the results read in another clone or on another machine) the grid is still read from the file alone.
+    None when the copy is missing or does not parse, and the report then goes on without saying it."""
+    path = Path(out_dir) / "experiment.yaml"
     try:
-        return Experiment.load(Path(out_dir) / "experiment.yaml").planned()
-    except Exception:  # noqa: BLE001 - only the report's "Incomplete" line depends on it
+        return Experiment.load(path).planned()
+    except Exception:  # noqa: BLE001 - only the report's "Incomplete" and pending BERs depend on it
+        pass
+    try:  # the grid does not depend on the topology files (a lambda grid does: then None)
+        spec = read_yaml(path).validate(ExperimentFile)
+        return Experiment(spec=spec, file=str(path.resolve()), base_dir=path.resolve().parent).planned()
+    except Exception:  # noqa: BLE001
         return None

@@ -7,14 +7,18 @@ from __future__ import annotations
 import math
 
 from testbed.analysis import regime, scaling
+from testbed.analysis.analysis import pending_text
 from testbed.analysis.formatting import ber_text, fmt, fmt_signed, md_table, mode_name
 from testbed.analysis.results import finite
 from testbed.report.scaling import range_text
 
 
 def _interval(e: dict) -> str:
+    if e["max_ok"] is None and e["min_fail"] is None:
+        return f"pending: {pending_text(e['pending'])}"
     text = range_text(e["max_ok"] or 0.0, e["min_fail"] if e["min_fail"] is not None else math.inf)
     text += " (non-monotonic)" if e["non_monotonic"] else ""
+    text += f"; pending: {pending_text(e['pending'])}" if e.get("pending") else ""
     return text + (" (provisional: {} of {} points)".format(*e["incomplete"]) if e.get("incomplete") else "")
 
 

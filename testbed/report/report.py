@@ -34,9 +34,10 @@ from testbed.report.calibration import calibration_section
 from testbed.report.scaling import ladder_headline, scaling_section, size_threshold_section
 from testbed.report.paperregime import paper_regime_section
 from testbed.analysis.analysis import (BOUND_LEVEL, LATENCY_STATS, PUBLISHED_TOLERATED_BER, SENSITIVITY_TOLERANCES,
-                                      aggregate, deviation_fits, interval, latency_entries, orderings, point_config,
-                                      published_verdict, retransmission_penalties, sum_or_none, theory_comparison,
-                                      thresholds, tolerance_of, values_of)
+                                      aggregate, decided, deviation_fits, interval, latency_entries, orderings,
+                                      pending_seeds_text, pending_text, point_config, published_verdict,
+                                      retransmission_penalties, sum_or_none, theory_comparison, thresholds,
+                                      tolerance_of, values_of)
 from testbed.analysis.formatting import (ber_text, config_label, fmt, fmt_loss, fmt_pct, fmt_signed, fraction_ci_text,
                                          md_table, mode_name, status_text)
 from testbed.report.plots import latency_label
@@ -102,11 +103,26 @@ def coverage(rows: list[dict], planned) -> dict[tuple, tuple[int, int]]:
         return {}
     have = {r.get("point") for r in rows}
     cells: dict[tuple, list[int]] = {}
-    for pid, recipe, mode in planned:
+    for pid, recipe, mode, *_ in planned:
         c = cells.setdefault((recipe, mode), [0, 0])
         c[0] += pid in have
         c[1] += 1
     return {k: (a, n) for k, (a, n) in cells.items() if a < n}
+
+
+def pending_points(rows: list[dict], planned) -> dict[tuple, tuple[int, int]]:
+    """(recipe, mode, scope, checksum, BER) -> (seeds with a row, seeds in the grid) for every BER of the grid
+    that has some of its seeds but not all: such a BER neither passes nor fails yet (analysis.thresholds), since
+    the seeds still to run move its paired bound. {} when the grid is not known (planned None)."""
+    if not planned:
+        return {}
+    have = {r.get("point") for r in rows}
+    cells: dict[tuple, list[int]] = {}
+    for pid, recipe, mode, ber, scope, checksum in planned:
+        c = cells.setdefault((recipe, mode, scope, checksum, float(ber)), [0, 0])
+        c[0] += pid in have
+        c[1] += 1
+    return {k: (a, n) for k, (a, n) in cells.items() if 0 < a < n}
 
 
 def coverage_lines(missing: dict[tuple, tuple[int, int]], rows: list[dict]) -> list[str]:
@@ -117,7 +133,8 @@ def coverage_lines(missing: dict[tuple, tuple[int, int]], rows: list[dict]) -> l
     cells = ", ".join(f"{recipe} {mode_name(mode)} {a} of {n}" for (recipe, mode), (a, n) in missing.items())
     return [f"**Incomplete:** {planned - sum(n - a for a, n in missing.values())} of the grid's {planned} points "
             f"have results (points run, per recipe and mode: {cells}). A threshold of an incomplete recipe and mode "
-            "is marked provisional (a BER not yet run can neither pass nor fail) and is left out of the size fit. "
+            "is marked provisional (a BER not yet run can neither pass nor fail; one with some of its seeds run is "
+            "pending, neither a pass nor a failure) and is left out of the size fit. "
             "Run the same `testbed run` again to finish the grid.", ""]
 
 
@@ -180,7 +197,7 @@ def _published_comparison(t: dict) -> str:
     """How the measured interval (max_ok, min_fail] sits against the published 'fine below P'."""
     pub, ok, fail = t["published_ber"], t["max_ok_ber"], t["min_fail_ber"]
     name = mode_name(t["mode"])
-    if pub is None:
+    if pub is None or not decided(t):
         return ""
     published = f"the published analysis of GPT-2 124M ({name} fine below {ber_text(pub)})"
     verdict = published_verdict(t) or "consistent"
@@ -195,7 +212,7 @@ def theory_agreement(t: dict) -> str | None:
     """How the theory's tolerated BER sits in the measured interval: 'consistent' (max_ok <= it < min_fail),
     'optimistic' (it tolerates a BER that failed) or 'pessimistic' (the runs matched clean above it)."""
     b = t.get("theory_tolerated_ber")
-    if b is None or t["tolerance_abs"] is None or not t["tested_bers"]:
+    if b is None or t["tolerance_abs"] is None or not t["tested_bers"] or not decided(t):
         return None
     lo, hi = interval(t)
     return "consistent" if lo <= b < hi or b == hi == math.inf else "optimistic" if b >= hi else "pessimistic"
@@ -255,6 +272,8 @@ def threshold_sentence(t: dict) -> str:
     if not t["tested_bers"]:
         return f"{label}: no threshold: only the clean point was run."
     ok, fail = t["max_ok_ber"], t["min_fail_ber"]
+    if not decided(t):
+        return f"{label}: no BER decided yet: {pending_text(t['pending'])} (provisional)."
     if ok is not None and fail is None:
         head = f"trains as well as on a clean link at every tested BER, up to {ber_text(ok)}"
     elif ok is not None:
@@ -265,6 +284,8 @@ def threshold_sentence(t: dict) -> str:
     if t["non_monotonic"]:
         again = [b for b in t["passing_bers"] if fail is not None and b > fail]
         head += f"; non-monotonic: passes again at {', '.join(map(ber_text, again))}"
+    if t.get("pending"):
+        head += f"; not decided yet: {pending_text(t['pending'])}"
     return f"{label} {head}. {_published_comparison(t)} {_theory_comparison(t)}".strip()
 
 
@@ -313,6 +334,8 @@ def _measured_cell(t: dict) -> str:
     """'1e-05 – 1e-04': the measured interval (last pass, first fail]; 'no threshold' when there is none."""
     if not _has_threshold(t):
         return "no threshold"
+    if not decided(t):
+        return f"pending: {pending_text(t['pending'])}"
     return (interval_text(t["max_ok_ber"], t["min_fail_ber"]) + (" (non-monotonic)" if t["non_monotonic"] else "")
             + (" (provisional: {} of {} points)".format(*t["incomplete"]) if t.get("incomplete") else ""))
 
@@ -373,7 +396,7 @@ def sensitivity_table(th: dict, tolerance: float) -> str:
     """The threshold interval per config at each of SENSITIVITY_TOLERANCES (and the registered tolerance)."""
     tols = sorted({*SENSITIVITY_TOLERANCES, tolerance})
     header = ["config"] + [_pct(t) + (" (registered)" if t == tolerance else "") for t in tols]
-    body = [[_short_name(t)] + [interval_text(*t["sensitivity"][tol]) for tol in tols]
+    body = [[_short_name(t)] + [interval_text(*t["sensitivity"][tol]) if decided(t) else "pending" for tol in tols]
             for t in th.values() if _has_threshold(t)]
     return _table(header, body)
 
@@ -386,11 +409,13 @@ def paired_table(agg: list[dict], th: dict) -> str:
         t = th.get(_key_of(p))
         if p["ber"] == 0 or t is None or not _has_threshold(t):
             continue
-        reason = t["failing"].get(p["ber"])
+        reason, todo = t["failing"].get(p["ber"]), t.get("pending", {}).get(p["ber"])
         body.append([_short_name(t), ber_text(p["ber"]), str(len(p["gaps"])),
                      ", ".join(fmt_signed(g, fmt_loss) for g in p["gaps"].values()) or "—",
                      fmt_signed(p["gap_mean"], fmt_loss), fmt_signed(p["gap_upper"], fmt_loss),
-                     fmt_loss(t["tolerance_abs"]), "pass" if reason is None else
+                     fmt_loss(t["tolerance_abs"]),
+                     f"pending: {pending_seeds_text(todo)}" if todo else
+                     "pass" if reason is None else
                      "fail: bound > tolerance" if reason.startswith("upper bound") else f"fail: {reason}"])
     return _table(["config", "BER", "paired seeds", "gaps (per seed)", "mean gap",
                    f"{100 * BOUND_LEVEL:g} % upper bound", "tolerance", "verdict"], body)
@@ -879,6 +904,8 @@ def _headline(th: dict, setup: str) -> str:
 
 def _passes_text(t: dict) -> str:
     ok, fail = t["max_ok_ber"], t["min_fail_ber"]
+    if not decided(t):
+        return f"has no BER decided yet ({pending_text(t['pending'])})"
     if ok is None:
         return f"fails already at the smallest tested BER, {ber_text(fail)}"
     if fail is None:
@@ -1105,8 +1132,9 @@ def write_report(out_dir, rows: list[dict] | None = None, latency: dict | None =
     tolerance, tol_source = tolerance_of(rows, finite(exp.get("tolerance")))
     write_summary_csv(rows, out_dir / SUMMARY_FILE)
     agg = aggregate(rows, train=exp.get("train"))
-    th = thresholds(agg, tolerance, train=exp.get("train"))
     missing = coverage(rows, planned) if source == RESULTS_FILE else {}
+    th = thresholds(agg, tolerance, train=exp.get("train"),
+                    pending=pending_points(rows, planned) if source == RESULTS_FILE else None)
     for t in th.values():
         if (t["recipe"], t["mode"]) in missing:
             t["incomplete"] = missing[(t["recipe"], t["mode"])]
