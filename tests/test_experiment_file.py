@@ -373,3 +373,20 @@ def test_a_resumed_warm_run_carries_on_with_the_group_it_stopped_in(tmp_path):
     fresh = [p.id for p in warm_order(exp, points)]
     assert fresh[:2] == ["ddp-ber0-tensor-fix-s1", "ddp-ber0-tensor-fix-s2"]
     assert fresh.index("pp-ber0-tensor-fix-s1") == 6
+
+
+def test_rerun_check_names_the_fields_a_clean_run_trained_again_did_not_reproduce():
+    """A clean run whose run directory is gone trains again (runner.points_to_run); the runner compares it with
+    its row: bit for bit, or which fields differ and on which CPU and torch each ran."""
+    from testbed.experiments.runner import REPRODUCED_FIELDS, rerun_check
+
+    row = {"status": "ok", "final_eval_loss": 5.943, "loss_curve": [[1, 10.9], [2, 10.1]], "wall_time_s": 900.0,
+           "machine": {"cpu": "AMD EPYC", "vector": "avx512f", "torch": "2.13.0+cpu"}}
+    again = {**row, "wall_time_s": 1001.5, "finished_at": "later"}  # timing is not what a run computes
+    assert rerun_check(row, again).startswith("the same run bit for bit")
+    other = {**again, "final_eval_loss": 5.9430001, "machine": {"cpu": "Intel Xeon", "vector": "avx512f",
+                                                                "torch": "2.13.0+cpu"}}
+    text = rerun_check(row, other)
+    assert text.startswith("NOT the same") and "final_eval_loss" in text and "loss_curve" not in text
+    assert "AMD EPYC" in text and "Intel Xeon" in text
+    assert "final_eval_loss" in REPRODUCED_FIELDS and "wall_time_s" not in REPRODUCED_FIELDS

@@ -209,6 +209,8 @@ train: {{injector: process, seq_len: 32, eval_every: 2, eval_batches: 1, timeout
     r = tb_cli("run", str(tmp_path / "second.yaml"), "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 clean runs have a row but no run directory" in r.stderr
+    # the runner checks what it promises: each clean run trained again against its row, field by field
+    assert r.stderr.count("the same run bit for bit as its row") == 2, r.stderr[-3000:]
     rows = {x["point"]: x for x in map(json.loads, (tmp_path / "b" / "results.jsonl").read_text().splitlines())}
     assert len(rows) == 6
     for seed in (1, 2):

@@ -582,7 +582,8 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
             say(f"{len(points) - len(todo)} of {len(points)} points already in {out / 'results.jsonl'}: skipped")
         if rerun:
             say(f"{len(rerun)} clean runs have a row but no run directory in {out} (rows reused from another "
-                "experiment) and run again: the points compared with them need their parameters")
+                "experiment, or results copied without their points/) and run again, the same runs bit for bit: "
+                "the points compared with them need their parameters")
         warm = None if cold or machines is not None else WarmSweep(out)
         if warm is not None:
             todo = warm_order(exp, todo)
@@ -598,6 +599,8 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
                                       f"{row['reason']}; not recorded ({_free_bytes(out) or 0:,} bytes free on its "
                                       f"file system): {out / 'results.jsonl'} keeps its {len(store.rows)} rows; "
                                       "free space, then run the same command again", DISK_FULL[0])
+                if point in rerun and (before := store.rows.get(point.id)) is not None:
+                    line += f"; {rerun_check(before, row)}"
                 store.add(row)
                 say(f"{point.id}: {line}")
                 bar.update(1)
@@ -612,6 +615,24 @@ def run_experiment(exp: Experiment, out: str | Path, runtime: str | None = None,
     finally:
         store.close()
     return list(store.rows.values())
+
+
+# what a run computes (not when, where or how fast): a clean run trained again gives these bit for bit
+REPRODUCED_FIELDS = ("status", "steps_completed", "final_loss", "final_eval_loss", "loss_curve", "eval_curve",
+                     "grad_norm_curve", "deviation_curve", "replica_divergence_curve", "skipped_steps",
+                     "bits_flipped", "flips_sign", "flips_exponent", "flips_mantissa", "corrupted_values_total")
+
+
+def rerun_check(before: dict, after: dict) -> str:
+    """Whether a clean run trained again (its run directory gone) reproduced its row: REPRODUCED_FIELDS compared
+    exactly. Another CPU kind or torch build can change the floats (docs/experiments.md): said, with both."""
+    diff = [k for k in REPRODUCED_FIELDS if before.get(k) != after.get(k)]
+    if not diff:
+        return "the same run bit for bit as its row (losses, eval and gradient-norm curves, flips)"
+    cpu = [(r.get("machine") or {}).get(k) for r in (before, after) for k in ("cpu", "vector", "torch")]
+    return (f"NOT the same as its row in {', '.join(diff)} (row: {' '.join(map(str, cpu[:3]))}; here: "
+            f"{' '.join(map(str, cpu[3:]))}); its new row replaces it, and the points paired with it pair with "
+            "this run")
 
 
 def warm_order(exp: Experiment, todo: list[Point]) -> list[Point]:
