@@ -666,11 +666,10 @@ def test_a_locate_report_leads_with_its_detection_table_and_plot(tmp_path):
     assert plots.plot_detection_vs_ber(make_rows(), tmp_path / "none.png") is None  # not a locate experiment
 
 
-def test_a_report_of_part_of_the_grid_marks_its_thresholds_provisional(tmp_path):
-    """A run in parts (--recipes) or one stopped early: report.md says which recipe and mode lack points, marks
-    their thresholds provisional (an untested BER can neither pass nor fail) and names what to run."""
+def rule_grid(tmp_path) -> list[dict]:
+    """rule_rows() as the rows of an experiment file written to tmp_path (the grid the report reads back)."""
     from conftest import ROOT
-    from testbed.experiments.spec import Experiment, planned_points
+    from testbed.experiments.spec import Experiment
 
     bers = ", ".join(f"{b:g}" for b in RULE_GAPS)
     (tmp_path / "experiment.yaml").write_text(
@@ -678,6 +677,16 @@ def test_a_report_of_part_of_the_grid_marks_its_thresholds_provisional(tmp_path)
         f"grid: {{mode: [ddp], ber: [0, {bers}], seed: [{', '.join(map(str, RULE_SEEDS))}]}}\n")
     ids = {(p.mode, p.ber, p.seed): p.id for p in Experiment.load(tmp_path / "experiment.yaml").points()}
     rows = [{**r, "point": ids[(r["mode"], r["ber"], r["seed"])]} for r in rule_rows()]
+    return rows
+
+
+def test_a_report_of_part_of_the_grid_marks_its_thresholds_provisional(tmp_path):
+    """A run in parts (--recipes) or one stopped early: report.md says which recipe and mode lack points, marks
+    their thresholds provisional (an untested BER can neither pass nor fail) and names what to run."""
+    from conftest import ROOT
+    from testbed.experiments.spec import planned_points
+
+    rows = rule_grid(tmp_path)
     last = max(RULE_GAPS)
     planned = planned_points(tmp_path)
     assert len(planned) == len(rows) and report.coverage(rows, planned) == {}
@@ -705,16 +714,10 @@ def test_a_ber_whose_seeds_are_not_all_in_neither_passes_nor_fails(tmp_path):
     reported as failing at every tested BER, because one seed has no paired bound. A BER still missing seeds, or
     whose seeds' clean runs are still to come, is pending: not a pass, not a failure, and no interval is claimed;
     one of its runs that failed outright fails it at once."""
-    from conftest import ROOT
     from testbed.analysis.analysis import aggregate, thresholds
-    from testbed.experiments.spec import Experiment, planned_points
+    from testbed.experiments.spec import planned_points
 
-    bers = ", ".join(f"{b:g}" for b in RULE_GAPS)
-    (tmp_path / "experiment.yaml").write_text(
-        f"name: quick\nmodel: tiny\nsteps: 30\ntopologies: {{ddp: {ROOT}/topologies/pair.yaml}}\n"
-        f"grid: {{mode: [ddp], ber: [0, {bers}], seed: [{', '.join(map(str, RULE_SEEDS))}]}}\n")
-    ids = {(p.mode, p.ber, p.seed): p.id for p in Experiment.load(tmp_path / "experiment.yaml").points()}
-    rows = [{**r, "point": ids[(r["mode"], r["ber"], r["seed"])]} for r in rule_rows()]
+    rows = rule_grid(tmp_path)
     planned = planned_points(tmp_path)
     first = min(RULE_GAPS)
 
