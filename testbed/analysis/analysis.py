@@ -485,9 +485,8 @@ def _no_lost_steps_note(point: dict, pred: theory.RecipePrediction | None, endin
     return text
 
 
-def _pending_key(point: dict, ber: float | None = None) -> tuple:
-    return (point["recipe"], point["mode"], point["scope"], point["checksum"], float(point["ber"] if ber is None
-                                                                                    else ber))
+def _pending_key(point: dict) -> tuple:
+    return point["recipe"], point["mode"], point["scope"], point["checksum"], float(point["ber"])
 
 
 def _failed_outright(point: dict) -> bool:
@@ -521,13 +520,11 @@ def _threshold_of(points: list[dict], clean: dict | None, tolerance: float,
     for p in tested:
         reason = _failure_reason(p, tol)
         todo = pending.get(_pending_key(p))
-        todo = ({"run": todo[0], "of": todo[1], "of_clean": False} if todo else
-                # seeds paired with a clean run still to come
-                {"run": clean_todo[0], "of": clean_todo[1], "of_clean": True}
-                if clean_todo and p["unpaired_seeds"] else None)
-        if todo is not None and not _failed_outright(p):
+        of_clean = todo is None and bool(clean_todo and p["unpaired_seeds"])  # its clean runs are still to come
+        todo = clean_todo if of_clean else todo
+        if todo and not _failed_outright(p):
             # seeds still to run move the paired bound either way: neither a pass nor a failure yet
-            result["pending"][p["ber"]] = todo
+            result["pending"][p["ber"]] = {"run": todo[0], "of": todo[1], "of_clean": of_clean}
         elif reason is None:
             result["passing_bers"].append(p["ber"])
         else:

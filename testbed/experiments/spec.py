@@ -670,13 +670,9 @@ def planned_points(out_dir: str | Path) -> list[tuple[str, str, str, float, str,
     the report uses to say what has not run yet. The copy names its topologies by absolute path: where they are
     not (the results read in another clone or on another machine) the grid is still read from the file alone.
     None when the copy is missing or does not parse, and the report then goes on without saying it."""
-    path = Path(out_dir) / "experiment.yaml"
-    try:
-        return Experiment.load(path).planned()
+    path = (Path(out_dir) / "experiment.yaml").resolve()
+    try:  # the file alone, its topologies not loaded (the runner checked the copy; a lambda grid loads them)
+        return Experiment(spec=read_yaml(path).validate(ExperimentFile), file=str(path),
+                          base_dir=path.parent).planned()
     except Exception:  # noqa: BLE001 - only the report's "Incomplete" and pending BERs depend on it
-        pass
-    try:  # the grid does not depend on the topology files (a lambda grid does: then None)
-        spec = read_yaml(path).validate(ExperimentFile)
-        return Experiment(spec=spec, file=str(path.resolve()), base_dir=path.resolve().parent).planned()
-    except Exception:  # noqa: BLE001
         return None

@@ -96,33 +96,31 @@ def _experiment_info(out_dir: Path, experiment) -> dict:
 
 def coverage(rows: list[dict], planned) -> dict[tuple, tuple[int, int]]:
     """(recipe, mode) -> (points with a row, points in the grid) for every cell of the experiment's grid that
-    lacks rows: a run in parts (`--recipes`) or one that was stopped. planned: the grid's (point id, recipe, mode)
-    triples, from the sweep that owns the experiment file (`testbed.experiments.spec.planned_points`; the report
+    lacks rows: a run in parts (`--recipes`) or one that was stopped. planned: the grid's Experiment.planned() tuples
+    (point id, recipe, mode, BER, scope, checksum), from the sweep that owns the experiment file (`testbed.experiments.spec.planned_points`; the report
     does not load experiment files). {} when all ran, or when the grid is not known (planned None)."""
-    if not planned:
-        return {}
+    counts = _planned_counts(rows, planned, lambda recipe, mode, *_: (recipe, mode))
+    return {k: (a, n) for k, (a, n) in counts.items() if a < n}
+
+
+def _planned_counts(rows: list[dict], planned, key) -> dict[tuple, tuple[int, int]]:
+    """key(recipe, mode, BER, scope, checksum) -> (points of it with a row, points of it in the grid)."""
     have = {r.get("point") for r in rows}
     cells: dict[tuple, list[int]] = {}
-    for pid, recipe, mode, *_ in planned:
-        c = cells.setdefault((recipe, mode), [0, 0])
+    for pid, *fields in planned or []:
+        c = cells.setdefault(key(*fields), [0, 0])
         c[0] += pid in have
         c[1] += 1
-    return {k: (a, n) for k, (a, n) in cells.items() if a < n}
+    return {k: (a, n) for k, (a, n) in cells.items()}
 
 
 def pending_points(rows: list[dict], planned) -> dict[tuple, tuple[int, int]]:
     """(recipe, mode, scope, checksum, BER) -> (seeds with a row, seeds in the grid) for every BER of the grid
     that has some of its seeds but not all: such a BER neither passes nor fails yet (analysis.thresholds), since
     the seeds still to run move its paired bound. {} when the grid is not known (planned None)."""
-    if not planned:
-        return {}
-    have = {r.get("point") for r in rows}
-    cells: dict[tuple, list[int]] = {}
-    for pid, recipe, mode, ber, scope, checksum in planned:
-        c = cells.setdefault((recipe, mode, scope, checksum, float(ber)), [0, 0])
-        c[0] += pid in have
-        c[1] += 1
-    return {k: (a, n) for k, (a, n) in cells.items() if 0 < a < n}
+    counts = _planned_counts(rows, planned, lambda recipe, mode, ber, scope, checksum: (recipe, mode, scope,
+                                                                                       checksum, float(ber)))
+    return {k: (a, n) for k, (a, n) in counts.items() if 0 < a < n}
 
 
 def coverage_lines(missing: dict[tuple, tuple[int, int]], rows: list[dict]) -> list[str]:
