@@ -667,11 +667,11 @@ class Experiment:
 
 def planned_points(out_dir: str | Path) -> list[tuple[str, str, str, float, str, str]] | None:
     """The grid of the experiment kept in out_dir (experiment.yaml) as Experiment.planned() tuples, which
-    the report uses to say what has not run yet. The copy names its topologies by absolute path: where they are
-    not (the results read in another clone or on another machine) the grid is still read from the file alone.
-    None when the copy is missing or does not parse, and the report then goes on without saying it."""
+    the report uses to say what has not run yet. The grid is read from the file alone, its topologies not loaded:
+    the copy names them by absolute path, which need not exist where the results are read (another clone or
+    machine). None when the copy is missing or does not parse, and the report then goes on without saying it."""
     path = (Path(out_dir) / "experiment.yaml").resolve()
-    try:  # the file alone, its topologies not loaded (the runner checked the copy; a lambda grid loads them)
+    try:  # the runner checked the copy; a lambda grid loads its topologies and may fail here: then None
         return Experiment(spec=read_yaml(path).validate(ExperimentFile), file=str(path),
                           base_dir=path.parent).planned()
     except Exception:  # noqa: BLE001 - only the report's "Incomplete" and pending BERs depend on it

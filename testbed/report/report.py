@@ -97,8 +97,9 @@ def _experiment_info(out_dir: Path, experiment) -> dict:
 def coverage(rows: list[dict], planned) -> dict[tuple, tuple[int, int]]:
     """(recipe, mode) -> (points with a row, points in the grid) for every cell of the experiment's grid that
     lacks rows: a run in parts (`--recipes`) or one that was stopped. planned: the grid's Experiment.planned() tuples
-    (point id, recipe, mode, BER, scope, checksum), from the sweep that owns the experiment file (`testbed.experiments.spec.planned_points`; the report
-    does not load experiment files). {} when all ran, or when the grid is not known (planned None)."""
+    (point id, recipe, mode, BER, scope, checksum), from the sweep that owns the experiment file
+    (`testbed.experiments.spec.planned_points`; the report does not load experiment files). {} when all ran, or
+    when the grid is not known (planned None)."""
     counts = _planned_counts(rows, planned, lambda recipe, mode, *_: (recipe, mode))
     return {k: (a, n) for k, (a, n) in counts.items() if a < n}
 
@@ -111,7 +112,7 @@ def _planned_counts(rows: list[dict], planned, key) -> dict[tuple, tuple[int, in
         c = cells.setdefault(key(*fields), [0, 0])
         c[0] += pid in have
         c[1] += 1
-    return {k: (a, n) for k, (a, n) in cells.items()}
+    return {k: tuple(c) for k, c in cells.items()}
 
 
 def pending_points(rows: list[dict], planned) -> dict[tuple, tuple[int, int]]:
