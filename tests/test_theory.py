@@ -460,6 +460,51 @@ def test_predict_recipe_known_numbers():
         th.predict_recipe(1e-6, "ddp", 2, guard="ignore", **kw)
 
 
+def test_pp_next_stage_contains_a_huge_finite_activation_but_not_an_inf():
+    """The mechanism behind the report's backward-only PP prediction (docs/theory.md, section 4), on the project's
+    own GPT-2 split in two stages: an exponent-MSB flip of a boundary activation below 1 (a huge finite value)
+    leaves the next stage's loss and every gradient finite, because each use of the residual stream goes through
+    a pre-LayerNorm whose variance overflows; an Inf or NaN (the same flip of a value in [1, 2)) makes the loss NaN. The
+    same flip of an activation gradient going backward makes the previous stage's gradient norm non-finite."""
+    torch = pytest.importorskip("torch")
+    from testbed.train.model import build_model
+    from testbed.train.stages import split_stages
+
+    first, last = split_stages(build_model("tiny", 1), 2)
+    idx = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    h = first(idx).detach()
+
+    def run(received):
+        x = received.clone().requires_grad_(True)
+        last.zero_grad()
+        loss = torch.nn.functional.cross_entropy(last(x).flatten(0, 1), idx.flatten())
+        loss.backward()
+        grads = [p.grad for p in last.parameters() if p.grad is not None] + [x.grad]
+        return loss, all(bool(torch.isfinite(g).all()) for g in grads)
+
+    clean, ok = run(h)
+    assert math.isfinite(clean.item()) and ok
+    small = ((h[0, 3].abs() - 0.5).abs()).argmin().item()  # |x| near 0.5: the MSB flip multiplies by 2^128
+    big = h.clone()
+    big[0, 3, small] = float(th.flip_wire(np.array([h[0, 3, small].item()], dtype=np.float32), 30)[0])
+    assert math.isfinite(big[0, 3, small].item()) and abs(big[0, 3, small].item()) > 1e30
+    loss, ok = run(big)
+    assert math.isfinite(loss.item()) and ok
+    inf = h.clone()
+    inf[0, 3, small] = float(th.flip_wire(np.array([1.5], dtype=np.float32), 30)[0])  # NaN (mantissa not 0)
+    assert not math.isfinite(inf[0, 3, small].item())
+    loss, _ = run(inf)
+    assert not math.isfinite(loss.item())
+    # backward: a huge activation gradient reaching the first stage overflows its weight gradients' norm
+    out = first(idx)
+    g = torch.full_like(out, 1e-3)
+    g[0, 3, 0] = float(th.flip_wire(np.array([1e-3], dtype=np.float32), 30)[0])
+    first.zero_grad()
+    out.backward(g)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in first.parameters() if p.grad is not None])
+    assert not math.isfinite(norm.item())
+
+
 def test_frozen_fraction_matches_the_estimate_and_monte_carlo():
     # AdamW, guard none, no clipping: every catastrophic error reaching a rank's gradient freezes its element;
     # 1.5 (N-1) b n per step and rank -> 1 - exp(-1.5 (N-1) b K) (science.md: 0.13 %, 1.3 %, 12.6 %)
