@@ -43,6 +43,20 @@ def environ(pid: int) -> list[str] | None:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
+def environ_has(pid: int, entries, wait_s: float = 0.0) -> bool:
+    """Does `pid`'s environment hold every NAME=VALUE of `entries`? While the process exists and does not (yet),
+    ask again for up to `wait_s` seconds: a process that has just been started may still carry its parent's
+    environment until it execs (a container's init under runc does)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        env = environ(pid)
+        if env is not None and all(e in env for e in entries):
+            return True
+        if env is None or time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def pids_with_cmdline(match: Callable[[list[str]], bool]) -> list[int]:
     """Processes whose argument list satisfies `match`."""
     out = []

@@ -72,3 +72,23 @@ def test_find_by_cmdline_environ_and_namespace():
         p.kill()
         p.wait()
     assert procs.cmdline(p.pid) is None and procs.environ(p.pid) is None
+
+
+def test_environ_has_waits_for_a_process_to_exec_into_its_environment():
+    # the shell starts with our environment and execs after 2 s into one that carries the tag (as runc's
+    # init execs a container's): asked at once it is not there yet; asked with a wait it is
+    tag = uuid.uuid4().hex
+    want = (f"PROCS_TAG={tag}",)
+    p = subprocess.Popen(["sh", "-c", f"sleep 2; exec env PROCS_TAG={tag} sleep 30"])
+    try:
+        assert not procs.environ_has(p.pid, want)
+        t0 = time.monotonic()
+        assert procs.environ_has(p.pid, want, wait_s=20)
+        assert time.monotonic() - t0 < 20
+        assert not procs.environ_has(p.pid, ("PROCS_TAG=other",), wait_s=0.3)  # asked again, then no
+    finally:
+        p.kill()
+        p.wait()
+    t0 = time.monotonic()
+    assert not procs.environ_has(p.pid, want, wait_s=20)  # gone: no waiting
+    assert time.monotonic() - t0 < 1

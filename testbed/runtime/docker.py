@@ -416,11 +416,15 @@ def _tagged_pids(tag: str, container_pid: int | None) -> list[int]:
     return [p for p in candidates if needle in (procs.environ(p) or [])]
 
 
+OWN_PROCESS_WAIT_S = 10.0  # how long the container's init may take to exec (runc's own environment until then)
+
+
 def _is_our_process(pid: int, topology: str, node: str) -> bool:
-    """Is host pid `pid` the init of the container just made for (topology, node)? (Its environment says so;
-    a remote engine's pid would name some unrelated process here, or none.)"""
-    env = procs.environ(pid) or []
-    return f"TESTBED_TOPOLOGY={topology}" in env and f"TESTBED_NODE={node}" in env
+    """Is host pid `pid` the init of the container just made for (topology, node)? Its environment says so; a
+    remote engine's pid names some unrelated process here, or none. The engine reports the pid once runc has
+    started it, and until it execs the container's init its environment is runc's: on a loaded machine that can
+    take a while, so an existing process is asked again for up to OWN_PROCESS_WAIT_S."""
+    return procs.environ_has(pid, (f"TESTBED_TOPOLOGY={topology}", f"TESTBED_NODE={node}"), OWN_PROCESS_WAIT_S)
 
 
 def _cid(host: Host) -> str:
