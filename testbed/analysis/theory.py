@@ -618,6 +618,13 @@ class RecipePrediction:
     p_run_completes: float      # no run-ending event in `steps` (guard stop: any lost step; none: Inf/NaN, SGD huge)
     noise_deviation: float | None  # DDP: deviation from the bounded (not lost, not frozen) errors, an estimate
 
+    @property
+    def p_step_lost_backward(self) -> float:
+        """P(step lost) when the next stage contains every catastrophic activation going forward, so that only
+        lambda - lost_forward loses steps (PP: its pre-LayerNorm absorbs a huge finite value; docs/theory.md,
+        section 4). The same as p_step_lost where nothing arrives forward."""
+        return float(-np.expm1(-(self.lost - self.lost_forward)))
+
 
 def predict_recipe(ber, mode: str, n_ranks: int, *, n_params: int | str | None = None, batch_size: int | None = None,
                    seq_len: int | None = None, width: int | None = None, wire_dtype: str = default_of("wire_dtype"),

@@ -564,20 +564,17 @@ def _why(key: str, off: list[dict]) -> str:
     below = all(c[key]["verdict"] == "below" for c in off)
     if key == "lost" and pred.mode == "pp" and below and pred.lost_forward:
         share = pred.lost_forward / pred.lost if pred.lost else 0
-        back = [(c, -math.expm1(-(c["prediction"].lost - c["prediction"].lost_forward))) for c in off]
-        inside = [c for c, p in back if c[key]["ci"][0] <= p <= c[key]["ci"][1]]
-        between = [c for c, p in back if c[key]["ci"][0] > p]
-        rest = []
-        if between:
-            rest.append(f"above it at {len(between)}, between the two predictions (some forward values arrive as "
-                        "Inf or NaN)")
-        if len(inside) + len(between) < len(back):
-            rest.append(f"below even it at {len(back) - len(inside) - len(between)}")
+        back = [(c, c["prediction"].p_step_lost_backward) for c in off]
+        where = [("inside" if c[key]["ci"][0] <= p <= c[key]["ci"][1] else "above" if c[key]["ci"][0] > p
+                  else "below") for c, p in back]
+        rest = [text.format(where.count(kind)) for kind, text in (
+            ("above", "above it at {}, between the two predictions (some forward values arrive as Inf or NaN)"),
+            ("below", "below even it at {}")) if kind in where]
         return (f" The theory counts every catastrophic activation as a lost step ({share:.0%} of λ); the next "
                 "stage's pre-LayerNorm contains a huge but finite activation, and only an Inf or NaN one (from "
                 "|x| in [1, 2)) passes it (docs/theory.md, section 4). With only the backward part, 1 - exp(-(λ - "
                 "λ forward)): " + ", ".join(f"{fmt(p)} at {ber_text(c['ber'])}" for c, p in back)
-                + f"; inside the measured 95 % interval at {len(inside)} of {len(back)}"
+                + f"; inside the measured 95 % interval at {where.count('inside')} of {len(back)}"
                 + "".join(f"; {r}" for r in rest) + ".")
     if key == "lost" and pred.p_step_skipped == 0 and not below:
         return " The theory expects this guard to skip nothing."

@@ -61,7 +61,7 @@ def _backward_bracket(cells: list[dict]) -> str:
     for c in cells:
         pred = c["prediction"]
         lam_back = pred.lost - pred.lost_forward
-        lo, _ = scaling.binomial_interval(c["steps"], -math.expm1(-lam_back))
+        lo, _ = scaling.binomial_interval(c["steps"], pred.p_step_lost_backward)
         inside.append(lo <= c["lost"] <= c["lost_interval"][1])
         if pred.lost_forward and c["lost"] < c["steps"]:  # the measured λ, -ln(1 - fraction), split as predicted
             lam_measured = -math.log1p(-c["lost"] / c["steps"])
