@@ -206,6 +206,15 @@ MOVED_TO_TEST_ALL = {
     "test_topology_net.py::test_tcp_crosses_every_link[docker-ring4.yaml]": 3,
     "test_engine_topology.py::test_switch_direction_corrupts_at_receiving_host[docker]": 2,
     "test_topology_net.py::test_rate_limit_is_applied[docker]": 2,
+    # then (a fresh clone with the above: 781 passed, pytest 711 s, 782 s in all; CI is ~1.15x slower) four more
+    "test_experiments.py::test_a_recipe_reaches_the_engine_and_the_rows": 9,  # two_point checks the rows;
+    # test_protect's real gloo transfer and the tracker's fp32 protection keep the protected bits
+    "test_train.py::test_same_seed_is_bit_identical_and_other_seed_is_not": 6,  # test_reproducible: the same
+    # seeds give the same flips and parameters at every step
+    "test_reproducible.py::test_same_seeds_give_the_same_flips_and_parameters_at_every_step[pp]": 6,  # its ddp
+    # twin and the bpf one stay
+    "test_sizefit.py::test_a_ladders_summary_leads_with_the_trend_and_leaves_its_controls_out": 6,  # the size
+    # fit's own tests and test_scaling's report section stay
 }
 
 
