@@ -77,6 +77,37 @@ def test_cheapest_recipe_is_the_first_in_cost_order_that_reaches_the_paper():
     assert "the cheapest recipe that reaches the paper's 1e-04 is **protect**" in md
 
 
+def test_a_recipe_whose_clean_runs_fail_against_the_default_is_flagged_and_never_named_cheapest():
+    """124M PP sanitize: its clean seed 1 zeroed 40,456 real activations (> sanitize_threshold) and ended +0.066
+    over the default's clean run of the same seed. Its threshold is against its own clean runs, so it could pass
+    the paper's BER while training worse than no recipe at all."""
+    worse = [dict(r, final_eval_loss=r["final_eval_loss"] + 0.1)
+             for r in ladder("san", [1e-5, 1e-4], [], guard="sanitize")]
+    rows = ladder("def", [], [1e-6]) + worse + controls(0.5)
+    _, table = table_of(rows)
+    san = next(e for e in table if e["label"] == "sanitize")
+    c = san["clean_cost"]
+    assert c["verdict"] == "fails" and c["mean"] == pytest.approx(0.1) and set(c["gaps"]) == {1, 2, 3}
+    assert next(e for e in table if e["label"] == "default")["clean_cost"] is None  # nothing to compare with
+    assert san["reaches_paper"]
+    (ch,) = regime.cheapest(table)
+    assert ch["cheapest"] is None and ch["costly"] == ["sanitize"]
+    md = "\n".join(paper_regime_section(rows, thresholds(aggregate(rows), 0.01)))
+    assert "sanitize (clean runs fail against the default's)" in md and "never named cheapest" in md
+    # the same recipe with clean runs as good as the default's is named
+    rows = ladder("def", [], [1e-6]) + ladder("san", [1e-5, 1e-4], [], guard="sanitize") + controls(0.5)
+    _, table = table_of(rows)
+    assert next(e for e in table if e["label"] == "sanitize")["clean_cost"]["verdict"] == "within tolerance"
+    assert regime.cheapest(table)[0]["cheapest"]["label"] == "sanitize"
+    # one paired seed: shown, not judged
+    one = [r for r in worse if r["seed"] == 1 or r["ber"] > 0]
+    rows = ladder("def", [], [1e-6]) + one + controls(0.5)
+    _, table = table_of(rows)
+    c = next(e for e in table if e["label"] == "sanitize")["clean_cost"]
+    assert c["verdict"] == "undecided" and list(c["gaps"]) == [1]
+    assert "one paired seed has no bound" in "\n".join(paper_regime_section(rows, thresholds(aggregate(rows), 0.01)))
+
+
 def test_rank_fit_measures_the_slope_against_ranks():
     rows = []
     for world, (ok, fail) in {2: (1e-7, 3e-7), 4: (3e-8, 1e-7), 8: (1e-8, 3e-8)}.items():

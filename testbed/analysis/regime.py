@@ -14,6 +14,12 @@ Pure functions on results rows and `analysis.thresholds` output, no files, no dr
   and exponent bits needs an unequal-error-protection code on 9 of 32 bits, a weaker one when it may leave a
   residual (1e-3 x BER) than when it must leave none; sanitize + protect needs both. The cheapest recipe at a size
   and mode is the first in this order whose last passing BER reaches the paper's (DDP 1e-4, PP 1e-5).
+- **clean cost** of a recipe: its clean runs (BER 0) against the default recipe's of the same size, mode, steps,
+  ranks and seed, by the paired rule (testbed/analysis/analysis.py: the one-sided 95 % t bound of the mean gap at
+  most the tolerance). A recipe's threshold is measured against its own clean runs, so a recipe that harms
+  training without any error (sanitize zeroing real activations, bf16 rounding) could pass at every BER and still
+  train worse than no recipe: "fails" here bars it from being named cheapest; one paired seed cannot be bounded and
+  is shown, not judged ("undecided").
 - **ranks**: the same recipe at 2, 4 and 8 ranks (stages), fitted like the size ladder (testbed/analysis/sizefit.py:
   least squares through the two-sided intervals' midpoints, and every slope of a line through every interval),
   with x = log10 ranks; the theory's slope is that of its BER at fixed lambda (theory.lambda_per_ber: a DDP rank's
@@ -31,7 +37,7 @@ import statistics
 from scipy import stats
 
 from testbed.analysis import sizefit
-from testbed.analysis.analysis import PUBLISHED_TOLERATED_BER, tolerance_of, upper_bound
+from testbed.analysis.analysis import PUBLISHED_TOLERATED_BER, paired_gap, tolerance_of, upper_bound
 from testbed.analysis.results import ber_of, finite, is_ok, recipe_of
 from testbed.train.model import PRESETS
 
@@ -89,6 +95,30 @@ def _deviations(rows: list[dict], t: dict, ber: float) -> list[float]:
             and finite(r.get("final_deviation")) is not None]
 
 
+def _clean_evals(rows: list[dict]) -> dict[tuple, dict[int, float]]:
+    """{(recipe, mode): {seed: final eval loss}} of the clean runs (BER 0, no perturbation)."""
+    out: dict[tuple, dict[int, float]] = {}
+    for r in rows:
+        if ber_of(r) == 0 and (r.get("perturb") or "none") == "none" and is_ok(r) \
+                and finite(r.get("final_eval_loss")) is not None:
+            out.setdefault((recipe_of(r), r.get("mode")), {})[r["seed"]] = float(r["final_eval_loss"])
+    return out
+
+
+def clean_cost(t: dict, default: dict | None, clean: dict[tuple, dict[int, float]]) -> dict | None:
+    """A threshold config's clean runs against the default recipe's config `default` of the same size, mode, steps
+    and ranks (module docstring): gaps by seed, mean, bound, tolerance and verdict ('within tolerance', 'fails',
+    'undecided'); None for the default recipe itself or without a seed to pair."""
+    if default is None or default["recipe"] == t["recipe"]:
+        return None
+    pair = paired_gap(clean.get((t["recipe"], t["mode"]), {}), clean.get((default["recipe"], t["mode"]), {}))
+    if not pair["gaps"]:
+        return None
+    tol, upper = t["tolerance_abs"], pair["gap_upper"]
+    verdict = "undecided" if upper is None else "within tolerance" if upper <= tol else "fails"
+    return {"gaps": pair["gaps"], "mean": pair["gap_mean"], "upper": upper, "tolerance": tol, "verdict": verdict}
+
+
 def predictions(th: dict[str, dict]) -> dict[tuple[str, str], dict]:
     """{(recipe label, mode): the size fit's prediction at GPT-2 124M}, from the 2-rank ladder configs at
     LADDER_STEPS below 124M (what the README predicted); a family needs two sizes."""
@@ -101,7 +131,9 @@ def predictions(th: dict[str, dict]) -> dict[tuple[str, str], dict]:
 def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
     """One entry per threshold config at two ranks (size x mode x recipe x steps): its interval, the paper's BER,
     the floor and floor ratio at the last passing BER, the verdict, and at 124M the size fit's prediction."""
-    out, controls = [], _controls(rows)
+    out, controls, clean = [], _controls(rows), _clean_evals(rows)
+    defaults = {(t.get("model"), t["mode"], t.get("steps"), t.get("world_size")): t for t in th.values()
+                if recipe_label(t) == "default" and t.get("tested_bers") and t.get("tolerance_abs") is not None}
     predicted = predictions(th) if any(t.get("model") == TARGET for t in th.values()) else {}
     for t in th.values():
         if not t.get("applies") or not t.get("tested_bers") or t.get("tolerance_abs") is None:
@@ -132,6 +164,8 @@ def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
                     "pending": t.get("pending") or {},
                     "paper": pub, "reaches_paper": ok is not None and pub is not None and ok >= pub,
                     "floor": floor, "floor_ratio": ratio, "verdict": verdict,
+                    "clean_cost": clean_cost(t, defaults.get((t.get("model"), t["mode"], t.get("steps"),
+                                                              t.get("world_size"))), clean),
                     "prediction": predicted.get((label, t["mode"])) if t.get("model") == TARGET else None})
     return sorted(out, key=lambda e: (sizefit.n_params_of({"model": e["model"]}) or 0, e["mode"] != "ddp",
                                       e["steps"] or 0, _cost(e["label"]), e["recipe"]))
@@ -155,7 +189,8 @@ def fit_check(e: dict) -> str | None:
 
 def cheapest(table: list[dict]) -> list[dict]:
     """Per size and mode (at the ladder's steps, or 124M's): the first recipe in COST_ORDER whose last passing BER
-    reaches the paper's, or None with the recipes tried."""
+    reaches the paper's and whose clean runs do not fail against the default's (clean_cost), or None with the
+    recipes tried."""
     out = []
     keys = dict.fromkeys((e["model"], e["mode"]) for e in table if e["steps"] != 10 * LADDER_STEPS)
     for model, mode in keys:
@@ -164,9 +199,11 @@ def cheapest(table: list[dict]) -> list[dict]:
         if not mine:
             continue
         # a provisional threshold (its grid not complete) may still fail at a BER not yet run: not named
-        best = next((e for e in mine if e["reaches_paper"] and not e["incomplete"]), None)
+        best = next((e for e in mine if e["reaches_paper"] and not e["incomplete"]
+                     and (e["clean_cost"] or {}).get("verdict") != "fails"), None)
         out.append({"model": model, "mode": mode, "paper": PUBLISHED_TOLERATED_BER.get(mode), "cheapest": best,
                     "tried": [e["label"] for e in mine if not e["incomplete"]],
+                    "costly": [e["label"] for e in mine if (e["clean_cost"] or {}).get("verdict") == "fails"],
                     "provisional": [e["label"] for e in mine if e["incomplete"]]})
     return out
 

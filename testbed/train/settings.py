@@ -212,8 +212,10 @@ class TrainSettings:
                                  "not finite or exceed --sanitize-threshold, then skip as skip does)",
                          choices=GUARDS)
     sanitize_threshold: float = setting(1e3, "sanitize: received values of larger magnitude are zeroed; far above "
-                                             "clean DDP gradients (< 1) and PP activations (< ~10 here), far below "
-                                             "what a flip of the top exponent bits makes (x2^32 and more)", gt=0)
+                                             "clean DDP gradients (< 1) and the PP activations of tiny, small and "
+                                             "mini (their clean runs never reach it), far below what a flip of "
+                                             "the top exponent bits makes (x2^32 and more); GPT-2 124M's PP "
+                                             "activations pass it after ~130 steps (docs/training.md, Guard)", gt=0)
     wire_dtype: str = setting("fp32", "dtype on the data link: DDP's gradient allreduce, PP's activations and "
                                       "gradients", choices=WIRE_DTYPES)
     eval_every: int = setting(0, "evaluate every K steps and after the last; 0: never", ge=0)
