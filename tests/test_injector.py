@@ -325,6 +325,11 @@ def test_calibration_verdicts():
     assert c["verdict"].startswith("disagree") and "flips" in c["verdict"] and "lost" in c["verdict"]
     assert two_proportion_p(0, 40, 0, 40) == 1.0 and two_proportion_p(5, 40, 30, 40) < 1e-6
     assert calibration([_row("wire", 1, 10)]) == []  # one injector only: nothing to compare
+    # another size at the same BER is another point (paper-regime: 124M on the wire beside mini's process rows)
+    mixed = same + [dict(r, model="mini", final_eval_loss=4.0, bits_flipped=10)
+                    for r in same if r["injector"] == "process"]
+    cal = calibration(mixed)
+    assert [c["seeds"] for c in cal] == [(3, 3)] and cal[0]["verdict"] == "agree"
 
 
 # ---------------------------------------------------------------------------------------------------------------

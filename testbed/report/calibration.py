@@ -2,8 +2,9 @@
 compared point by point with a statistical test per quantity and a verdict. Pure functions on results.jsonl rows;
 the report (report.py) renders `calibration_section`. docs/injector.md, "Calibration".
 
-A point is (mode, scope, checksum, BER and the recipe's settings but the injector); its wire and process rows are
-pooled over seeds:
+A point is (model, steps, ranks, mode, scope, checksum, BER, the BER-0 perturbation and the recipe's settings but the
+injector): experiments/paper-regime.yaml holds four sizes, and its wire cross-check at GPT-2 124M must not pool with
+mini's process rows at the same BER. Its wire and process rows are pooled over seeds:
 - flips: given the bits each injector carried (B_w, B_p) and the flips (F_w, F_p), equal BERs make F_p, given
   F_w + F_p, Binomial(F_w + F_p, B_p / (B_w + B_p)) (two Poisson counts conditioned on their sum): exact two-sided
   binomial test. Each count is also shown against its expectation BER x bits.
@@ -34,7 +35,8 @@ def injector_of(row: dict) -> str:
 
 def _key(row: dict) -> tuple:
     setting = tuple((k, str(v)) for k, v in recipe_settings(row).items() if k in RECIPE_FIELDS)
-    return (row.get("mode"), row.get("scope"), row.get("checksum"), ber_of(row), setting)
+    return (row.get("mode"), row.get("scope"), row.get("checksum"), ber_of(row), row.get("model"), row.get("steps"),
+            row.get("world_size"), row.get("perturb") or "none", setting)
 
 
 def _sum(rows, field):
@@ -107,7 +109,8 @@ def calibration(rows: list[dict], alpha: float = ALPHA) -> list[dict]:
         off = [name for name, t in tests.items() if t["p"] is not None and t["p"] < alpha]
         walls = {name: [w for w in (finite(r.get("wall_time_s")) for r in rs) if w is not None]
                  for name, rs in (("wire", wire), ("process", proc))}
-        out.append({"mode": k[0], "scope": k[1], "checksum": k[2], "ber": k[3], "seeds": (len(wire), len(proc)),
+        out.append({"mode": k[0], "scope": k[1], "checksum": k[2], "ber": k[3], "model": k[4], "steps": k[5],
+                    "seeds": (len(wire), len(proc)),
                     "statuses": ([r.get("status") for r in wire], [r.get("status") for r in proc]), **tests,
                     "wall_wire": statistics.median(walls["wire"]) if walls["wire"] else None,
                     "wall_process": statistics.median(walls["process"]) if walls["process"] else None,
@@ -124,14 +127,15 @@ def calibration_section(rows: list[dict], alpha: float = ALPHA) -> list[str]:
     cal = calibration(rows, alpha)
     if not cal:
         return []
-    head = ["mode", "BER", "seeds w/p", "flips/step wire", "flips/step process", "expected", "p (flips)",
-            "lost wire", "lost process", "p (lost)", "eval wire", "eval process", "p (eval)", "wall s w/p",
+    head = ["size", "steps", "mode", "BER", "seeds w/p", "flips/step wire", "flips/step process", "expected",
+            "p (flips)", "lost wire", "lost process", "p (lost)", "eval wire", "eval process", "p (eval)", "wall s w/p",
             "verdict"]
     body = []
     for c in cal:
         f, lo, ev = c["flips"], c["lost"], c["eval"]
         expected = f["expected_per_step"]
-        body.append([mode_name(c["mode"]), ber_text(c["ber"]), f"{c['seeds'][0]}/{c['seeds'][1]}",
+        body.append([str(c["model"] or "—"), str(c["steps"] or "—"), mode_name(c["mode"]), ber_text(c["ber"]),
+                     f"{c['seeds'][0]}/{c['seeds'][1]}",
                      fmt(f["per_step_wire"]), fmt(f["per_step_process"]), fmt(expected), _p(f["p"]),
                      fmt(lo["wire"]), fmt(lo["process"]), _p(lo["p"]), fmt_loss(ev["wire"]), fmt_loss(ev["process"]),
                      _p(ev["p"]), f"{fmt(c['wall_wire'])}/{fmt(c['wall_process'])}", c["verdict"]])
