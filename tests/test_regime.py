@@ -108,6 +108,19 @@ def test_a_recipe_whose_clean_runs_fail_against_the_default_is_flagged_and_never
     assert "one paired seed has no bound" in "\n".join(paper_regime_section(rows, thresholds(aggregate(rows), 0.01)))
 
 
+def test_a_one_seed_cross_check_is_no_threshold_row_and_not_the_default_to_compare_with():
+    """paper-regime's 124m-wire (DDP seed 1 on the wire, recipe settings the default's): it was a row "fails at every
+    tested BER" (one seed cannot pass) and, as the last default config, the clean runs every other recipe was set
+    against (one seed)."""
+    rows = ladder("def", [1e-6], [1e-5]) + ladder("san", [1e-6], [1e-5], guard="sanitize") + controls(0.5)
+    rows += [r for r in ladder("wire", [1e-6], [1e-5]) if r["seed"] == 1]
+    th, table = table_of(rows)
+    assert [e["recipe"] for e in table] == ["def", "san"]
+    assert len(next(e for e in table if e["recipe"] == "san")["clean_cost"]["gaps"]) == 3
+    assert regime.one_seed(th) == [{"model": "tiny", "mode": "ddp", "recipe": "wire"}]
+    assert "Not in the table, one seed" in "\n".join(paper_regime_section(rows, th))
+
+
 def test_rank_fit_measures_the_slope_against_ranks():
     rows = []
     for world, (ok, fail) in {2: (1e-7, 3e-7), 4: (3e-8, 1e-7), 8: (1e-8, 3e-8)}.items():

@@ -35,7 +35,7 @@ def _clean_cell(c: dict | None) -> str:
         return "—"
     n = len(c["gaps"])
     if not any(c["gaps"].values()):
-        return f"0 (the same runs, {n} seeds)"
+        return f"0 (the same runs, {n} seed{'s' if n > 1 else ''})"
     text = fmt_signed(c["mean"]) + (f" (bound {fmt_signed(c['upper'])})" if c["upper"] is not None else "")
     return text + {"within tolerance": "", "fails": ": **fails**", "undecided": f" ({n} seed: undecided)"}[c["verdict"]]
 
@@ -83,6 +83,11 @@ def paper_regime_section(rows: list[dict], th: dict[str, dict]) -> list[str]:
                      f"< {ber_text(e['paper'])}", _ratio(e), e["verdict"], _clean_cell(e["clean_cost"]),
                      _prediction(e["prediction"])]
                     for e in table]) + [""]
+    single = regime.one_seed(th)
+    if single:
+        md.append("- Not in the table, one seed (the paired rule cannot pass one seed, so no threshold): "
+                  + ", ".join(f"{s['model']} {mode_name(s['mode'])} {s['recipe']}" for s in single)
+                  + " (where both injectors ran a point, the section \"Calibration\" compares them).")
     for e in table:
         check = regime.fit_check(e)
         if check:
