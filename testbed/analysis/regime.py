@@ -128,6 +128,12 @@ def predictions(th: dict[str, dict]) -> dict[tuple[str, str], dict]:
             for f in sizefit.size_fits(ladder)}
 
 
+def _two_ranks(t: dict) -> bool:
+    """A threshold config regime_table and one_seed read: decided BERs at two ranks, of a preset size."""
+    return bool(t.get("applies") and t.get("tested_bers") and t.get("tolerance_abs") is not None
+                and t.get("world_size") in (None, 2) and t.get("model") in PRESETS)
+
+
 def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
     """One entry per threshold config at two ranks (size x mode x recipe x steps): its interval, the paper's BER,
     the floor and floor ratio at the last passing BER, the verdict, and at 124M the size fit's prediction."""
@@ -140,9 +146,7 @@ def regime_table(rows: list[dict], th: dict[str, dict]) -> list[dict]:
                 defaults[k] = t
     predicted = predictions(th) if any(t.get("model") == TARGET for t in th.values()) else {}
     for t in th.values():
-        if not t.get("applies") or not t.get("tested_bers") or t.get("tolerance_abs") is None:
-            continue
-        if t.get("world_size") not in (None, 2) or t.get("model") not in PRESETS or (t.get("seeds") or 0) < 2:
+        if not _two_ranks(t) or (t.get("seeds") or 0) < 2:
             continue  # one seed has no paired-rule bound: no threshold (one_seed lists it)
         label = recipe_label(t)
         ok, fail = t["max_ok_ber"], t["min_fail_ber"]
@@ -179,8 +183,7 @@ def one_seed(th: dict[str, dict]) -> list[dict]:
     """The configs at two ranks that regime_table leaves out because they ran one seed (a cross-check such as
     paper-regime's 124m-wire, whose points the report's calibration section compares): [{model, mode, recipe}]."""
     return [{"model": t.get("model"), "mode": t["mode"], "recipe": t["recipe"]} for t in th.values()
-            if t.get("applies") and t.get("tested_bers") and t.get("world_size") in (None, 2)
-            and t.get("model") in PRESETS and (t.get("seeds") or 0) < 2]
+            if _two_ranks(t) and (t.get("seeds") or 0) < 2]
 
 
 def fit_check(e: dict) -> str | None:
@@ -211,11 +214,11 @@ def cheapest(table: list[dict]) -> list[dict]:
         if not mine:
             continue
         # a provisional threshold (its grid not complete) may still fail at a BER not yet run: not named
-        best = next((e for e in mine if e["reaches_paper"] and not e["incomplete"]
-                     and (e["clean_cost"] or {}).get("verdict") != "fails"), None)
+        costly = [e["label"] for e in mine if (e["clean_cost"] or {}).get("verdict") == "fails"]
+        best = next((e for e in mine if e["reaches_paper"] and not e["incomplete"] and e["label"] not in costly),
+                    None)
         out.append({"model": model, "mode": mode, "paper": PUBLISHED_TOLERATED_BER.get(mode), "cheapest": best,
-                    "tried": [e["label"] for e in mine if not e["incomplete"]],
-                    "costly": [e["label"] for e in mine if (e["clean_cost"] or {}).get("verdict") == "fails"],
+                    "tried": [e["label"] for e in mine if not e["incomplete"]], "costly": costly,
                     "provisional": [e["label"] for e in mine if e["incomplete"]]})
     return out
 
